@@ -1,0 +1,302 @@
+"""Named-axis collectives for sharded layers.
+
+A sharded layer is written per shard, like Megatron or Mesh-TF's lowering: it
+asks for its coordinate along a mesh axis and calls collectives over that axis
+by name. Under a `MeshStrategy` replica these are real collectives among the
+devices that differ only along the named axis; anywhere else (one device, a
+strategy without a mesh, or Keras building the model in cross-replica context)
+the axis has size 1, index 0, and every collective is the identity, so the same
+layer code computes the global, single-device result.
+
+All collectives are differentiable (the gradient of `all_gather` is
+`reduce_scatter`, of `psum` is `psum`, of `all_to_all` is the reverse
+`all_to_all`).
+
+Example (a column-parallel matmul whose batch is gathered over "model"):
+
+```python
+x_all = all_gather(x, "model", dim=0)        # [batch * M, d_model]
+y_local = tf.matmul(x_all, kernel_shard)     # [batch * M, d_ff / M]
+```
+"""
+
+import itertools
+import threading
+from typing import Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tfdist.mesh import Mesh
+
+
+class CollectiveEngine:
+    """Issues TF collective ops among groups of one strategy's devices.
+
+    Each device has an ordering token (a resource variable) so that the
+    collectives of a device run in the order they were traced; without it,
+    collectives on virtual CPUs hang. Group keys are unique per engine and
+    device group; instance keys are unique per logical collective.
+
+    Args:
+        devices: device strings, index `i` being mesh device `i`.
+        timeout_seconds: a collective that waits longer than this fails
+            instead of hanging (0 waits forever).
+    """
+
+    _key_lock = threading.Lock()
+    _next_group_key = itertools.count(7001)
+    _next_instance_key = itertools.count(1 << 20)
+
+    def __init__(self, devices: Sequence[str], timeout_seconds: float = 600.0):
+        self.devices = tuple(devices)
+        self.timeout_seconds = float(timeout_seconds)
+        with tf.init_scope():
+            self._tokens = []
+            for d in self.devices:
+                with tf.device(d):
+                    self._tokens.append(
+                        tf.Variable(0.0, trainable=False, name="tfdist_ordering_token")
+                    )
+        self._group_keys = {}
+        self._instance_keys = {}
+        self._sequence = {}
+
+    def _token(self, replica: int):
+        return self._tokens[replica].handle
+
+    def _keys(self, replica: int, group: Tuple[int, ...]) -> Tuple[int, int]:
+        if tf.executing_eagerly():
+            raise RuntimeError(
+                "tfdist collectives run inside tf.function only: MirroredStrategy-"
+                "style replicas run one after another in eager mode, so a "
+                "collective would wait forever. Compile the Keras model with "
+                "run_eagerly=False (the default) or wrap strategy.run in "
+                "tf.function."
+            )
+        with self._key_lock:
+            if group not in self._group_keys:
+                self._group_keys[group] = next(self._next_group_key)
+            group_key = self._group_keys[group]
+            seq = self._sequence.get((group, replica), 0)
+            self._sequence[(group, replica)] = seq + 1
+            if (group, seq) not in self._instance_keys:
+                self._instance_keys[(group, seq)] = next(self._next_instance_key)
+            return group_key, self._instance_keys[(group, seq)]
+
+    def _common(self, replica, group):
+        group_key, instance_key = self._keys(replica, group)
+        return dict(
+            group_size=len(group),
+            group_key=group_key,
+            instance_key=instance_key,
+            ordering_token=[self._token(replica)],
+            communication_hint="auto",
+            timeout_seconds=self.timeout_seconds,
+        )
+
+    def all_reduce(self, x, replica: int, group: Tuple[int, ...]):
+        """Sum of `x` over the devices of `group`."""
+        if len(group) == 1:
+            return tf.identity(x)
+        with tf.device(self.devices[replica]):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=x,
+                merge_op="Add",
+                final_op="Id",
+                **self._common(replica, group),
+            )
+
+    def all_gather(self, x, replica: int, group: Tuple[int, ...]):
+        """Concatenation along dimension 0 of `x` from each device of `group`."""
+        if len(group) == 1:
+            return tf.identity(x)
+        with tf.device(self.devices[replica]):
+            return tf.raw_ops.CollectiveGatherV2(input=x, **self._common(replica, group))
+
+    def all_to_all(self, x, replica: int, group: Tuple[int, ...]):
+        """Splits dimension 0 into `len(group)` parts, part j to device j."""
+        if len(group) == 1:
+            return tf.identity(x)
+        with tf.device(self.devices[replica]):
+            return tf.raw_ops.CollectiveAllToAllV2(
+                input=x, **self._common(replica, group)
+            )
+
+
+class AxisContext:
+    """Where the current replica sits on one mesh axis.
+
+    Attributes:
+        engine: the strategy's `CollectiveEngine`.
+        replica: this replica's device index.
+        group: the device indices that differ from this one only along the
+            axis, in axis order.
+        index: this replica's coordinate along the axis.
+    """
+
+    def __init__(self, engine, replica, group):
+        self.engine = engine
+        self.replica = replica
+        self.group = group
+        self.index = group.index(replica)
+
+    @property
+    def size(self) -> int:
+        return len(self.group)
+
+
+def _mesh_strategy():
+    strategy = tf.distribute.get_strategy()
+    return strategy if hasattr(strategy, "mesh") and hasattr(strategy, "engine") else None
+
+
+def current_mesh() -> Mesh:
+    """The mesh of the strategy in scope, or a one-device mesh."""
+    strategy = _mesh_strategy()
+    return strategy.mesh if strategy is not None else Mesh.single_device()
+
+
+def axis_context(axis: Optional[str]) -> Optional[AxisContext]:
+    """The replica's `AxisContext` for `axis`, or None where the axis is trivial."""
+    if axis is None:
+        return None
+    strategy = _mesh_strategy()
+    if strategy is None or tf.distribute.in_cross_replica_context():
+        return None
+    if axis not in strategy.mesh.shape.names or strategy.mesh.shape.axis_size(axis) == 1:
+        return None
+    ctx = tf.distribute.get_replica_context()
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+        raise RuntimeError("tfdist collectives need a static replica id.")
+    replica = int(replica)
+    for group in strategy.mesh.shape.groups([axis]):
+        if replica in group:
+            return AxisContext(strategy.engine, replica, group)
+    raise AssertionError(f"replica {replica} is on no group of axis {axis!r}")
+
+
+def axis_size(axis: Optional[str]) -> int:
+    """Number of devices along mesh axis `axis` for this replica (1 if trivial)."""
+    ctx = axis_context(axis)
+    return 1 if ctx is None else ctx.size
+
+
+def axis_index(axis: Optional[str]) -> int:
+    """This replica's coordinate along mesh axis `axis` (0 if trivial)."""
+    ctx = axis_context(axis)
+    return 0 if ctx is None else ctx.index
+
+
+def psum(x, axis: Optional[str]):
+    """Sum of `x` over mesh axis `axis`; same shape as `x`."""
+    ctx = axis_context(axis)
+    if ctx is None:
+        return x
+    return _psum(ctx, x)
+
+
+def _psum(ctx, x):
+    @tf.custom_gradient
+    def op(x):
+        def grad(dy):
+            return _psum(ctx, dy)
+
+        return ctx.engine.all_reduce(x, ctx.replica, ctx.group), grad
+
+    return op(x)
+
+
+def all_gather(x, axis: Optional[str], dim: int = 0):
+    """Concatenates `x` from every device along `axis`, in axis order, on `dim`.
+
+    Args:
+        x: a tensor, the same shape on every device of the axis.
+        axis: the mesh axis name (None: identity).
+        dim: the tensor dimension to concatenate on.
+
+    Returns:
+        A tensor whose dimension `dim` is `axis_size(axis)` times larger.
+    """
+    ctx = axis_context(axis)
+    if ctx is None:
+        return x
+    return _all_gather(ctx, x, dim)
+
+
+def _all_gather(ctx, x, dim):
+    @tf.custom_gradient
+    def op(x):
+        def grad(dy):
+            return _reduce_scatter(ctx, dy, dim)
+
+        return _gather_on(ctx, x, dim), grad
+
+    return op(x)
+
+
+def _gather_on(ctx, x, dim):
+    dim = dim % x.shape.rank
+    stacked = ctx.engine.all_gather(x[tf.newaxis], ctx.replica, ctx.group)
+    return tf.concat(tf.unstack(stacked, num=ctx.size), axis=dim)
+
+
+def reduce_scatter(x, axis: Optional[str], dim: int = 0):
+    """Sums `x` over `axis`, each device keeping its own slice of `dim`.
+
+    Device `j` along the axis receives part `j` of `axis_size` equal parts of
+    dimension `dim` of the sum.
+    """
+    ctx = axis_context(axis)
+    if ctx is None:
+        return x
+    return _reduce_scatter(ctx, x, dim)
+
+
+def _reduce_scatter(ctx, x, dim):
+    @tf.custom_gradient
+    def op(x):
+        def grad(dy):
+            return _all_gather(ctx, dy, dim)
+
+        received = _exchange(ctx, x, dim)  # [M, ..., n / M, ...] part j from peer j
+        return tf.reduce_sum(received, axis=0), grad
+
+    return op(x)
+
+
+def _exchange(ctx, x, split_dim):
+    """Sends part j of `x` (split on `split_dim`) to peer j; stacks what arrives."""
+    split_dim = split_dim % x.shape.rank
+    n = x.shape[split_dim]
+    if n is None or n % ctx.size:
+        raise ValueError(
+            f"Dimension {split_dim} of size {n} does not divide by the "
+            f"{ctx.size} devices of the mesh axis."
+        )
+    parts = tf.stack(tf.split(x, ctx.size, axis=split_dim), axis=0)
+    return ctx.engine.all_to_all(parts, ctx.replica, ctx.group)
+
+
+def all_to_all(x, axis: Optional[str], split_dim: int, concat_dim: int):
+    """Splits `split_dim` over the devices of `axis` and concatenates on `concat_dim`.
+
+    Device `j` receives part `j` of every peer's `split_dim`, concatenated in
+    axis order along `concat_dim`.
+    """
+    ctx = axis_context(axis)
+    if ctx is None:
+        return x
+    return _all_to_all(ctx, x, split_dim, concat_dim)
+
+
+def _all_to_all(ctx, x, split_dim, concat_dim):
+    @tf.custom_gradient
+    def op(x):
+        def grad(dy):
+            return _all_to_all(ctx, dy, concat_dim, split_dim)
+
+        received = _exchange(ctx, x, split_dim)
+        return tf.concat(tf.unstack(received, num=ctx.size), axis=concat_dim), grad
+
+    return op(x)

@@ -1,0 +1,315 @@
+"""MeshExtended and ShardedVariable: true shards under tf.distribute.
+
+Private TF APIs used here (and only here): `MirroredExtended` and its hooks
+`_create_variable`, `_batch_reduce_to`, `_reduce_to`, `_update`,
+`_use_merge_call`; `MirroredVariable` and its hooks `_get_cross_replica`,
+`_update_cross_replica`, `_update_replica`, `_gather_saveables_for_checkpoint`.
+
+How a sharded weight trains under an unmodified Keras 3 `fit`:
+
+1. Keras builds the weight with its *global* shape; `_create_variable` gives
+   component `i` (on device `i`) slice `i` of the one global initial value.
+   Optimizer slots are created "colocated" with the weight and inherit its
+   layout, so weights and slots are 1/M per device.
+2. In a replica, the weight reads as its local shard; the layer computes on it
+   and calls named-axis collectives (`tfdist.collectives`).
+3. Keras's optimizer all-reduces *every* gradient over all replicas
+   (`_batch_reduce_to`). We let it, but remember, for each reduced output, the
+   unreduced per-replica inputs.
+4. In `_update(var, ...)` a sharded weight looks its gradient up in that
+   record and sums the *unreduced* shard gradients over only the replicas that
+   hold the same shard. A sharded weight whose gradient was reduced elsewhere
+   (so the record lacks it) raises rather than training wrong.
+
+Because the record is keyed by the all-reduce outputs, everything Keras does
+before the all-reduce (loss scaling, clipping, tied weights summing two reads)
+keeps working. The cost is one wasted global reduction of sharded gradients.
+"""
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values
+from tensorflow.python.distribute import values_util
+from tensorflow.python.eager import record
+from tensorflow.python.training.saving import saveable_object
+
+from tfdist.mesh import TensorLayout
+
+LAYOUT_KWARG = "tfdist_layout"
+"""Variable-creator keyword that carries a weight's `TensorLayout` to the strategy."""
+
+
+class ShardedVariable(values.MirroredVariable):
+    """A distributed variable whose component `i` is shard `i` of a global tensor.
+
+    In a replica it reads as the local shard; in cross-replica context (saving,
+    `get_weights`, Keras's symbolic build) it reads as the global tensor and
+    assigning a global value splits it into shards.
+    """
+
+    def __init__(self, strategy, values_list, aggregation, layout: TensorLayout):
+        super().__init__(strategy, values_list, aggregation)
+        self._tfdist_layout = layout
+
+    @property
+    def layout(self) -> TensorLayout:
+        return self._tfdist_layout
+
+    @property
+    def global_shape(self) -> tf.TensorShape:
+        return tf.TensorShape(self._tfdist_layout.shape)
+
+    def _in_cross_replica_read(self) -> bool:
+        return values_util.get_current_replica_id_as_int() is None
+
+    def _get_cross_replica(self):
+        return assemble_global(self._tfdist_layout, [v.read_value() for v in self._values])
+
+    def value(self):
+        if self._in_cross_replica_read():
+            return self._get_cross_replica()
+        return super().value()
+
+    def _update_cross_replica(self, update_fn, value, **kwargs):
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if value.shape.rank is not None and tuple(value.shape) != self._tfdist_layout.shape:
+            raise ValueError(
+                f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
+                f"variable {self.name!r} of global shape {self._tfdist_layout.shape}."
+            )
+        updates = []
+        for i, component in enumerate(self._values):
+            with tf.device(component.device):
+                shard = value[self._tfdist_layout.shard_slices(i)]
+                updates.append(update_fn(component, shard, **kwargs))
+        if all(isinstance(u, tf.Variable) for u in updates):
+            return self
+        return tf.group(updates)
+
+    def _update_replica(self, update_fn, value, **kwargs):
+        return update_fn(self._get_on_device_or_primary(), value, **kwargs)
+
+    def _gather_saveables_for_checkpoint(self):
+        def factory(name=self._common_name):
+            return _GlobalSaveable(self, name)
+
+        return {"VARIABLE_VALUE": factory}
+
+
+class _GlobalSaveable(saveable_object.SaveableObject):
+    """Saves and restores a `ShardedVariable` as its global tensor."""
+
+    def __init__(self, variable: ShardedVariable, name: str):
+        self._variable = variable
+        spec = saveable_object.SaveSpec(
+            tensor=variable._get_cross_replica,
+            slice_spec="",
+            name=name,
+            dtype=variable.dtype,
+            device=variable._primary.device,
+        )
+        super().__init__(variable._get_cross_replica, [spec], name)
+
+    def restore(self, restored_tensors, restored_shapes):
+        (tensor,) = restored_tensors
+        return self._variable._update_cross_replica(
+            lambda v, x: v.assign(x, read_value=False), tensor
+        )
+
+
+def assemble_global(layout: TensorLayout, shards):
+    """Concatenates per-device shards (indexed by device) into the global tensor."""
+    mesh = layout.mesh_shape
+    split = [(dim, axis) for dim, axis in enumerate(layout.mesh_axes) if axis in layout.sharded_mesh_axes]
+
+    def build(level, coords):
+        if level == len(split):
+            full = {n: coords.get(n, 0) for n in mesh.names}
+            return shards[mesh.device_index(full)]
+        dim, axis = split[level]
+        return tf.concat(
+            [build(level + 1, {**coords, axis: k}) for k in range(mesh.axis_size(axis))],
+            axis=dim,
+        )
+
+    return build(0, {})
+
+
+def _source(t):
+    """Follows Identity/IdentityN ops back to the tensor they forward."""
+    while getattr(t, "op", None) is not None and t.op.type in ("Identity", "IdentityN"):
+        t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+    return t
+
+
+def _source_or_none(t):
+    try:
+        return _source(t)
+    except AttributeError:  # EagerTensor.op raises in eager mode.
+        return None
+
+
+class MeshExtended(mirrored_strategy.MirroredExtended):
+    """MirroredExtended whose variables may be shards; see the module docstring."""
+
+    def __init__(self, container_strategy, mesh, devices, engine):
+        super().__init__(
+            container_strategy,
+            devices=devices,
+            cross_device_ops=cross_device_ops_lib.ReductionToOneDevice(),
+        )
+        self.mesh = mesh
+        self.engine = engine
+        self._record_graph = None
+        self._reduced = {}
+        self._foreign = set()
+        self._logged_jit = False
+
+    # -- execution ---------------------------------------------------------
+
+    def _use_merge_call(self):
+        return True
+
+    # -- variables ---------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        layout = kwargs.pop(LAYOUT_KWARG, None)
+        colocate_with = kwargs.get("colocate_with")
+        if layout is None and isinstance(colocate_with, ShardedVariable):
+            layout = self._slot_layout(colocate_with, kwargs)
+        if layout is None or not layout.is_sharded:
+            return super()._create_variable(next_creator, **kwargs)
+        kwargs.pop("colocate_with", None)
+        return self._create_sharded_variable(next_creator, layout, **kwargs)
+
+    @staticmethod
+    def _slot_layout(primary: ShardedVariable, kwargs):
+        initial = kwargs.get("initial_value")
+        shape = kwargs.get("shape")
+        if shape is None and not callable(initial) and initial is not None:
+            shape = tf.convert_to_tensor(initial).shape
+        if shape is None and callable(initial):
+            return primary.layout  # Keras slots: `add_variable_from_reference`.
+        if tuple(tf.TensorShape(shape).as_list()) != primary.layout.shape:
+            raise ValueError(
+                f"A variable of shape {tuple(tf.TensorShape(shape).as_list())} "
+                f"colocated with sharded variable {primary.name!r} (global shape "
+                f"{primary.layout.shape}, layout {primary.layout}) cannot be "
+                f"sharded like it; optimizers whose slots have another shape "
+                f"(e.g. factored second moments) are not supported for sharded "
+                f"weights."
+            )
+        return primary.layout
+
+    def _create_sharded_variable(self, next_creator, layout, **kwargs):
+        sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        if sync == tf.VariableSynchronization.ON_READ:
+            raise ValueError(
+                f"Sharded variable {kwargs.get('name')!r} cannot use "
+                f"synchronization=ON_READ."
+            )
+        kwargs["synchronization"] = tf.VariableSynchronization.ON_WRITE
+        aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
+        if aggregation is None:
+            aggregation = tf.VariableAggregation.NONE
+        kwargs.pop("caching_device", None)
+        kwargs["collections"] = []
+        initial = kwargs["initial_value"]
+        with tf.init_scope(), record.stop_recording():
+            with tf.device(self._devices[0]):
+                value = initial() if callable(initial) else initial
+                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+        if tuple(value.shape.as_list()) != layout.shape:
+            raise ValueError(
+                f"Initial value of shape {tuple(value.shape.as_list())} for "
+                f"sharded variable {kwargs.get('name')!r} does not match its "
+                f"layout {layout}."
+            )
+        components = []
+        for i, device in enumerate(self._devices):
+            with tf.device(device), record.stop_recording():
+                shard_kwargs = dict(kwargs)
+                shard_kwargs["initial_value"] = tf.identity(value[layout.shard_slices(i)])
+                if i > 0:
+                    base = components[0].name.split(":")[0]
+                    shard_kwargs["name"] = f"{base}/replica_{i}/"
+                components.append(next_creator(**shard_kwargs))
+        return ShardedVariable(self._container_strategy(), components, aggregation, layout)
+
+    # -- reductions --------------------------------------------------------
+
+    def _current_record(self):
+        graph = tf.compat.v1.get_default_graph()
+        if self._record_graph is not graph:
+            self._record_graph = graph
+            self._reduced = {}
+            self._foreign = set()
+        return self._reduced
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        results = super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        reduced = self._current_record()
+        for (value, _), result in zip(value_destination_pairs, results):
+            if not isinstance(value, values.PerReplica) or not isinstance(
+                result, values.DistributedValues
+            ):
+                continue
+            for component in result.values:
+                src = _source_or_none(component)
+                if src is not None:
+                    reduced[src.ref()] = (reduce_op, value)
+        return results
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        result = super()._reduce_to(reduce_op, value, destinations, options)
+        self._current_record()
+        for component in getattr(result, "values", (result,)):
+            src = _source_or_none(component)
+            if src is not None and hasattr(src, "ref"):
+                self._foreign.add(src.ref())
+        return result
+
+    def _update(self, var, fn, args, kwargs, group):
+        if isinstance(var, ShardedVariable):
+            args = tuple(self._shard_gradient(var, a) for a in args)
+        return super()._update(var, fn, args, kwargs, group)
+
+    def _shard_gradient(self, var: ShardedVariable, value):
+        """Re-reduces a gradient of `var` over the replicas that share each shard."""
+        if not isinstance(value, values.DistributedValues) or isinstance(
+            value, values.DistributedVariable
+        ):
+            return value
+        reduced = self._current_record()
+        sources = [_source_or_none(c) for c in value.values]
+        found = [reduced.get(s.ref()) if s is not None else None for s in sources]
+        if all(f is None for f in found):
+            if any(s is not None and s.ref() in self._foreign for s in sources) or any(
+                s is None for s in sources
+            ):
+                raise ValueError(
+                    f"Sharded variable {var.name!r} (layout {var.layout}) received "
+                    f"a value that was reduced over all replicas, or whose "
+                    f"reduction tfdist cannot trace (eager mode). Its shards differ "
+                    f"per device, so that would train it wrong. Train sharded "
+                    f"weights inside tf.function (Keras run_eagerly=False) and "
+                    f"let the optimizer reduce gradients."
+                )
+            return value  # Unreduced per-replica value (e.g. gradient accumulation).
+        if any(f is None or f is not found[0] for f in found):
+            raise ValueError(
+                f"Gradient components of sharded variable {var.name!r} come from "
+                f"different reductions; cannot route them to their shards."
+            )
+        reduce_op, unreduced = found[0]
+        groups = var.layout.shard_owner_groups()
+        out = []
+        for i, local in enumerate(unreduced.values):
+            group = next(g for g in groups if i in g)
+            summed = self.engine.all_reduce(local, i, group)
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                summed = summed / len(group)
+            out.append(summed)
+        return values.PerReplica(tuple(out))

@@ -1,0 +1,7 @@
+"""Keras layers whose weights declare logical axes and compute on their shard."""
+
+from tfdist.layers.dense import ShardedDense
+from tfdist.layers.embedding import ShardedEmbedding
+from tfdist.layers.weights import add_sharded_weight
+
+__all__ = ["ShardedDense", "ShardedEmbedding", "add_sharded_weight"]

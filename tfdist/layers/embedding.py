@@ -1,0 +1,128 @@
+"""ShardedEmbedding: an embedding table split over the vocabulary.
+
+With the rule `vocab:A` (A of size M) each device holds rows
+`[m * V/M, (m + 1) * V/M)` of the `[vocab, d_model]` table. A replica gathers
+the ids of its group along A, looks up the ids it owns (zeros elsewhere), and
+reduce-scatters the partial embeddings back to its own rows of the batch:
+
+    ids [b, ...] -> all_gather -> [b*M, ...] -> local lookup -> [b*M, ..., d_model]
+                 -> reduce_scatter over A -> [b, ..., d_model]
+
+The table's gradient is dense per shard (a segment sum), so the optimizer
+never sees IndexedSlices.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist.layers.weights import add_sharded_weight, sharded_mesh_axis
+
+
+def dense_gather(table, ids):
+    """`tf.gather(table, ids)` whose gradient for `table` is a dense tensor."""
+
+    @tf.custom_gradient
+    def gather(table):
+        def grad(dy):
+            flat_ids = tf.reshape(ids, [-1])
+            flat_dy = tf.reshape(dy, [-1, tf.shape(table)[-1]])
+            return tf.math.unsorted_segment_sum(flat_dy, flat_ids, tf.shape(table)[0])
+
+        return tf.gather(table, ids), grad
+
+    return gather(table)
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ShardedEmbedding(keras.layers.Layer):
+    """Token embedding whose table `[vocab, d_model]` is split over `vocab`.
+
+    Args:
+        input_dim: vocabulary size `vocab`.
+        output_dim: embedding size `d_model`.
+        embeddings_axes: logical axes of the table; the rules may split the
+            first (vocabulary) one.
+        embeddings_initializer: Keras initializer for the global table.
+
+    Input shape: integer ids `[batch, ...]`.
+    Output shape: `[batch, ..., output_dim]`.
+
+    Example:
+
+    ```python
+    embed = ShardedEmbedding(32000, 512)   # with "vocab:model": 1/M of the table per device
+    h = embed(token_ids)
+    ```
+    """
+
+    def __init__(
+        self,
+        input_dim,
+        output_dim,
+        embeddings_axes=("vocab", "d_model"),
+        embeddings_initializer="uniform",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        for arg, value in (("input_dim", input_dim), ("output_dim", output_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"Received an invalid value for `{arg}`, expected a positive "
+                    f"integer. Received: {arg}={value!r}"
+                )
+        embeddings_axes = tuple(embeddings_axes)
+        if len(embeddings_axes) != 2:
+            raise ValueError(
+                f"`embeddings_axes` names the logical axes of the 2-D table, "
+                f"e.g. ('vocab', 'd_model'). Received: embeddings_axes={embeddings_axes!r}"
+            )
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+        self.embeddings_axes = embeddings_axes
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.weight_layouts = {}
+
+    def build(self, input_shape=None):
+        self.embeddings = add_sharded_weight(
+            self,
+            "embeddings",
+            (self.input_dim, self.output_dim),
+            self.embeddings_axes,
+            initializer=self.embeddings_initializer,
+        )
+        layout = self.weight_layouts["embeddings"]
+        if sharded_mesh_axis(layout, 1) is not None:
+            raise ValueError(
+                f"Layer {self.name!r}: table {layout} is split over its embedding "
+                f"dimension; ShardedEmbedding splits only the vocabulary."
+            )
+        self._vocab_axis = sharded_mesh_axis(layout, 0)
+
+    def call(self, inputs):
+        ids = tf.cast(inputs, "int32")
+        axis = self._vocab_axis
+        if axis is None:
+            return dense_gather(self.embeddings, ids)
+        all_ids = collectives.all_gather(ids, axis, dim=0)  # [b*M, ...]
+        rows = self.input_dim // collectives.axis_size(axis)
+        local = all_ids - collectives.axis_index(axis) * rows
+        owned = tf.logical_and(local >= 0, local < rows)
+        found = dense_gather(self.embeddings, tf.where(owned, local, 0))  # [b*M, ..., d]
+        partial = found * tf.cast(owned, found.dtype)[..., tf.newaxis]
+        return collectives.reduce_scatter(partial, axis, dim=0)  # [b, ..., d]
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.output_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            input_dim=self.input_dim,
+            output_dim=self.output_dim,
+            embeddings_axes=list(self.embeddings_axes),
+            embeddings_initializer=keras.initializers.serialize(
+                self.embeddings_initializer
+            ),
+        )
+        return config

@@ -1,0 +1,61 @@
+"""Weights that declare logical axes; the layout rules decide their sharding."""
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist.internal.mesh_extended import LAYOUT_KWARG
+from tfdist.mesh import TensorLayout
+
+
+def add_sharded_weight(
+    layer,
+    name: str,
+    shape: Sequence[int],
+    axes: Sequence[Optional[str]],
+    **kwargs,
+):
+    """`layer.add_weight` for a weight with logical `axes`.
+
+    Under a `MeshStrategy` whose rules split one of `axes`, the weight is
+    created as one shard per device; elsewhere it is an ordinary weight. The
+    weight always has its global `shape` in Keras (saving, `get_weights`).
+
+    Args:
+        layer: the Keras layer that owns the weight.
+        name: weight name.
+        shape: global shape.
+        axes: one logical axis name (or None) per dimension.
+        **kwargs: passed to `layer.add_weight` (initializer, dtype, ...).
+
+    Returns:
+        The Keras variable. Its `TensorLayout` is in `layer.weight_layouts[name]`.
+
+    Raises:
+        ValueError: a dimension does not divide by its mesh axis, or two
+            dimensions map to one mesh axis; the message names the layer and
+            the weight.
+    """
+    mesh = collectives.current_mesh()
+    layout = mesh.tensor_layout(
+        axes, shape, what=f"Layer {layer.name!r} weight {name!r}"
+    )
+    if not hasattr(layer, "weight_layouts"):
+        layer.weight_layouts = {}
+    layer.weight_layouts[name] = layout
+    if not layout.is_sharded:
+        return layer.add_weight(name=name, shape=tuple(shape), **kwargs)
+
+    def creator(next_creator, **creator_kwargs):
+        creator_kwargs[LAYOUT_KWARG] = layout
+        return next_creator(**creator_kwargs)
+
+    with tf.variable_creator_scope(creator):
+        return layer.add_weight(name=name, shape=tuple(shape), **kwargs)
+
+
+def sharded_mesh_axis(layout: TensorLayout, dim: int) -> Optional[str]:
+    """The mesh axis (of size > 1) dimension `dim` of `layout` is split over."""
+    axis = layout.mesh_axes[dim]
+    return axis if axis in layout.sharded_mesh_axes else None

@@ -1,0 +1,58 @@
+"""One function turns a strategy name into a strategy."""
+
+import tensorflow as tf
+
+from tfdist.strategies.mesh_strategy import MeshStrategy
+
+
+def _default(**options):
+    _no_options("default", options)
+    return tf.distribute.get_strategy()
+
+
+def _one_device(device="/cpu:0", **options):
+    _no_options("one_device", options)
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+def _mirrored(devices=None, **options):
+    _no_options("mirrored", options)
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def _mesh(mesh_shape="data:1", layout=None, devices=None, **options):
+    return MeshStrategy(mesh_shape, layout, devices=devices, **options)
+
+
+def _no_options(name, options):
+    if options:
+        raise ValueError(f"Strategy {name!r} takes no options {sorted(options)}.")
+
+
+_FACTORIES = {
+    "default": _default,
+    "one_device": _one_device,
+    "mirrored": _mirrored,
+    "mesh": _mesh,
+}
+
+STRATEGY_NAMES = tuple(_FACTORIES)
+
+
+def get_strategy(name: str, **options):
+    """Returns the strategy called `name`, built with `options`.
+
+    Args:
+        name: one of `STRATEGY_NAMES` (`default`, `one_device`, `mirrored`,
+            `mesh`).
+        **options: keyword arguments of that strategy, e.g.
+            `mesh_shape="data:2;model:2", layout="d_ff:model"` for `mesh`.
+
+    Raises:
+        ValueError: for an unknown name, listing the valid ones.
+    """
+    if name not in _FACTORIES:
+        raise ValueError(
+            f"Unknown strategy {name!r}: valid strategies are {list(STRATEGY_NAMES)}."
+        )
+    return _FACTORIES[name](**options)
