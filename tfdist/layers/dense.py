@@ -26,7 +26,11 @@ import keras
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist.layers.weights import add_sharded_weight, sharded_mesh_axis
+from tfdist.layers.weights import (
+    add_sharded_weight,
+    disable_jit_on_multi_device_mesh,
+    sharded_mesh_axis,
+)
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -96,6 +100,7 @@ class ShardedDense(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.weight_layouts = {}
+        disable_jit_on_multi_device_mesh(self)
 
     def build(self, input_shape):
         d_in = int(input_shape[-1])

@@ -16,7 +16,11 @@ import keras
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist.layers.weights import add_sharded_weight, sharded_mesh_axis
+from tfdist.layers.weights import (
+    add_sharded_weight,
+    disable_jit_on_multi_device_mesh,
+    sharded_mesh_axis,
+)
 
 
 def dense_gather(table, ids):
@@ -82,6 +86,7 @@ class ShardedEmbedding(keras.layers.Layer):
         self.embeddings_axes = embeddings_axes
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.weight_layouts = {}
+        disable_jit_on_multi_device_mesh(self)
 
     def build(self, input_shape=None):
         self.embeddings = add_sharded_weight(

@@ -3,6 +3,7 @@
 from typing import Optional, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from tfdist import collectives
 from tfdist.internal.mesh_extended import LAYOUT_KWARG
@@ -59,3 +60,24 @@ def sharded_mesh_axis(layout: TensorLayout, dim: int) -> Optional[str]:
     """The mesh axis (of size > 1) dimension `dim` of `layout` is split over."""
     axis = layout.mesh_axes[dim]
     return axis if axis in layout.sharded_mesh_axes else None
+
+
+def disable_jit_on_multi_device_mesh(layer) -> None:
+    """Marks `layer` as not XLA-compilable when it runs on a multi-device mesh.
+
+    Keras compiles the whole `strategy.run` step when `jit_compile=True`; XLA
+    cannot compile a step that spans devices and has no collectives on CPU,
+    so under a multi-device `MeshStrategy` Keras then proceeds with
+    `jit_compile=False` instead of failing.
+    """
+    mesh = collectives.current_mesh()
+    if mesh.size > 1:
+        layer.supports_jit = False
+        logging.log_first_n(
+            logging.INFO,
+            "tfdist: a %d-device mesh step cannot be XLA-compiled as a whole "
+            "(XLA has no cross-device collectives on CPU); jit_compile=True "
+            "falls back to jit_compile=False.",
+            1,
+            mesh.size,
+        )

@@ -1,0 +1,156 @@
+"""Compare a sharded model with its single-device reference.
+
+`compare_with_reference` measures, as max relative differences
+(`max|a - b| / max|b|` per tensor, the largest over tensors):
+
+- forward: `predict` outputs on the same inputs;
+- loss and gradients of one global batch (sharded gradients summed over the
+  replicas that hold each shard and reassembled into global tensors);
+- weights and optimizer variables after `steps` steps of `fit` on the same
+  global batches.
+
+`assert_equivalent` asserts all of them are within `rtol`.
+"""
+
+import dataclasses
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.testing.reference import reference_model
+
+
+def max_rel_diff(actual, expected) -> float:
+    """`max|actual - expected| / max|expected|` (0 when both are zero)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {actual.shape} != reference shape {expected.shape}")
+    scale = np.max(np.abs(expected)) if expected.size else 0.0
+    err = np.max(np.abs(actual - expected)) if expected.size else 0.0
+    return float(err / scale) if scale > 0 else float(err)
+
+
+@dataclasses.dataclass
+class EquivalenceReport:
+    forward: float
+    loss: float
+    gradients: float
+    weights: float
+    optimizer_variables: float
+    steps: int
+
+    def worst(self) -> float:
+        return max(self.forward, self.loss, self.gradients, self.weights,
+                   self.optimizer_variables)
+
+    def __str__(self) -> str:
+        return (f"forward {self.forward:.1e}, loss {self.loss:.1e}, gradients "
+                f"{self.gradients:.1e}, weights after {self.steps} steps "
+                f"{self.weights:.1e}, optimizer variables {self.optimizer_variables:.1e}")
+
+
+def _global_gradients(strategy, model, loss_fn, x, y):
+    """Loss and global gradients of one global batch, computed on `strategy`."""
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
+    batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(batch):
+        def replica_fn(xb, yb):
+            # Under a strategy, Keras losses already divide by the replica count.
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            return loss, tape.gradient(loss, [v.value for v in variables])
+
+        return strategy.run(replica_fn, args=batch)
+
+    losses, grads = step(batch)
+    loss = np.sum([l.numpy() for l in strategy.experimental_local_results(losses)])
+    result = []
+    for var, grad in zip(variables, grads):
+        if grad is None or any(g is None for g in strategy.experimental_local_results(grad)):
+            raise AssertionError(f"no gradient for {var.path}: {grad}")
+        shards = [g.numpy() for g in strategy.experimental_local_results(grad)]
+        layout = getattr(var.value, "layout", None)
+        if layout is None:
+            result.append(np.sum(shards, axis=0))
+            continue
+        full = np.zeros(layout.shape, dtype=np.float64)
+        for group in layout.shard_owner_groups():
+            full[layout.shard_slices(group[0])] = np.sum([shards[i] for i in group], axis=0)
+        result.append(full)
+    return loss, result
+
+
+def compare_with_reference(
+    build_model: Callable[[], keras.Model],
+    strategy,
+    x,
+    y,
+    *,
+    loss,
+    optimizer: Callable[[], keras.optimizers.Optimizer],
+    batch_size: int,
+    steps: int = 20,
+    seed: int = 0,
+) -> EquivalenceReport:
+    """Trains `build_model()` on `strategy` and its reference on one device.
+
+    Args:
+        build_model: builds the tfdist model (called once outside any strategy,
+            once under `strategy.scope()`).
+        strategy: the strategy under test.
+        x, y: at least `steps * batch_size` examples.
+        loss: a Keras loss (name or object) with `sum_over_batch_size` reduction.
+        optimizer: makes a fresh optimizer.
+        batch_size: the global batch size.
+        steps: optimizer steps to compare weights after.
+        seed: Keras seed for the initial weights.
+    """
+    keras.utils.set_random_seed(seed)
+    reference = reference_model(build_model())
+    with strategy.scope():
+        model = build_model()
+    model.set_weights(reference.get_weights())
+    loss_fn = keras.losses.get(loss)
+
+    forward = max_rel_diff(
+        model.predict(x[:batch_size], batch_size=batch_size, verbose=0),
+        reference.predict(x[:batch_size], batch_size=batch_size, verbose=0),
+    )
+    loss_value, grads = _global_gradients(strategy, model, loss_fn, x[:batch_size], y[:batch_size])
+    with tf.GradientTape() as tape:
+        ref_loss = loss_fn(y[:batch_size], reference(x[:batch_size], training=True))
+    ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
+    gradients = max(max_rel_diff(g, tf.convert_to_tensor(r)) for g, r in zip(grads, ref_grads))
+
+    with strategy.scope():
+        model.compile(optimizer=optimizer(), loss=loss)
+    reference.compile(optimizer=optimizer(), loss=loss)
+    n = steps * batch_size
+    model.fit(x[:n], y[:n], batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x[:n], y[:n], batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(), reference.get_weights()))
+    slots = max(
+        max_rel_diff(a.numpy(), b.numpy())
+        for a, b in zip(model.optimizer.variables, reference.optimizer.variables)
+    )
+    return EquivalenceReport(
+        forward=forward,
+        loss=max_rel_diff(loss_value, ref_loss.numpy()),
+        gradients=gradients,
+        weights=weights,
+        optimizer_variables=slots,
+        steps=steps,
+    )
+
+
+def assert_equivalent(*args, rtol: float = 1e-5, **kwargs) -> EquivalenceReport:
+    """`compare_with_reference`, asserting every difference is within `rtol`."""
+    report = compare_with_reference(*args, **kwargs)
+    assert report.worst() <= rtol, f"not equivalent within {rtol}: {report}"
+    return report
