@@ -1,0 +1,26 @@
+# The two commands a newcomer types on a fresh machine: `make demo`, `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py --mesh_shape='data:2;model:2' \
+	    --layout='batch:data;d_ff:model;vocab:model'
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/sharded_memory.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
