@@ -3,7 +3,8 @@
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_create_variable`, `_batch_reduce_to`, `_reduce_to`, `_update`,
 `_use_merge_call`; `MirroredVariable` and its hooks `_get_cross_replica`,
-`_update_cross_replica`, `_update_replica`, `_gather_saveables_for_checkpoint`.
+`_update_cross_replica`, `_update_replica`, `_serialize_to_tensors`,
+`_restore_from_tensors`.
 
 How a sharded weight trains under an unmodified Keras 3 `fit`:
 
@@ -26,14 +27,13 @@ before the all-reduce (loss scaling, clipping, tied weights summing two reads)
 keeps working. The cost is one wasted global reduction of sharded gradients.
 """
 
+import numpy as np
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import record
-from tensorflow.python.training.saving import saveable_object
 
 from tfdist.mesh import TensorLayout
 
@@ -72,6 +72,11 @@ class ShardedVariable(values.MirroredVariable):
             return self._get_cross_replica()
         return super().value()
 
+    def __array__(self, dtype=None):
+        # Without this, numpy conversion (Keras saving) is delegated to the
+        # primary component and would save shard 0.
+        return np.asarray(self.read_value().numpy(), dtype=dtype)
+
     def _update_cross_replica(self, update_fn, value, **kwargs):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
         if value.shape.rank is not None and tuple(value.shape) != self._tfdist_layout.shape:
@@ -91,31 +96,13 @@ class ShardedVariable(values.MirroredVariable):
     def _update_replica(self, update_fn, value, **kwargs):
         return update_fn(self._get_on_device_or_primary(), value, **kwargs)
 
-    def _gather_saveables_for_checkpoint(self):
-        def factory(name=self._common_name):
-            return _GlobalSaveable(self, name)
+    # tf.train.Checkpoint: save and restore the global tensor, not shard 0.
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self._get_cross_replica()}
 
-        return {"VARIABLE_VALUE": factory}
-
-
-class _GlobalSaveable(saveable_object.SaveableObject):
-    """Saves and restores a `ShardedVariable` as its global tensor."""
-
-    def __init__(self, variable: ShardedVariable, name: str):
-        self._variable = variable
-        spec = saveable_object.SaveSpec(
-            tensor=variable._get_cross_replica,
-            slice_spec="",
-            name=name,
-            dtype=variable.dtype,
-            device=variable._primary.device,
-        )
-        super().__init__(variable._get_cross_replica, [spec], name)
-
-    def restore(self, restored_tensors, restored_shapes):
-        (tensor,) = restored_tensors
-        return self._variable._update_cross_replica(
-            lambda v, x: v.assign(x, read_value=False), tensor
+    def _restore_from_tensors(self, restored_tensors):
+        return self._update_cross_replica(
+            lambda v, x: v.assign(x, read_value=False), restored_tensors["VARIABLE_VALUE"]
         )
 
 
