@@ -30,6 +30,7 @@ keeps working. The cost is one wasted global reduction of sharded gradients.
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 from tensorflow.python.distribute import values_util
@@ -61,16 +62,37 @@ class ShardedVariable(values.MirroredVariable):
     def global_shape(self) -> tf.TensorShape:
         return tf.TensorShape(self._tfdist_layout.shape)
 
-    def _in_cross_replica_read(self) -> bool:
-        return values_util.get_current_replica_id_as_int() is None
+    def _local_replica_id(self):
+        """This strategy's replica (or update) id, or None for a global read.
+
+        Outside any strategy TF reports the default replica context's id 0,
+        which would read shard 0; only our own replicas read their shard.
+        """
+        update_id = distribute_lib.get_update_replica_id()
+        if update_id is not None:
+            return update_id
+        ctx = distribute_lib.get_replica_context()
+        if ctx is None or ctx.strategy is not self._distribute_strategy:
+            return None
+        return values_util.get_current_replica_id_as_int()
+
+    def _get(self):
+        replica_id = self._local_replica_id()
+        if replica_id is None:
+            return self._get_cross_replica()
+        return self._values[replica_id]
 
     def _get_cross_replica(self):
         return assemble_global(self._tfdist_layout, [v.read_value() for v in self._values])
 
     def value(self):
-        if self._in_cross_replica_read():
-            return self._get_cross_replica()
-        return super().value()
+        return self._get()
+
+    def read_value(self):
+        return tf.identity(self._get())
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        return tf.convert_to_tensor(self._get(), dtype=dtype, name=name)
 
     def __array__(self, dtype=None):
         # Without this, numpy conversion (Keras saving) is delegated to the

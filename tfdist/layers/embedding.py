@@ -35,7 +35,7 @@ def dense_gather(table, ids):
 
         return tf.gather(table, ids), grad
 
-    return gather(table)
+    return gather(tf.convert_to_tensor(table))
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
