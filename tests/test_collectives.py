@@ -141,3 +141,21 @@ def test_outside_a_replica_collectives_are_the_identity():
 def test_collectives_in_eager_replicas_raise_instead_of_hanging(strategy):
     with pytest.raises(RuntimeError, match="inside tf.function"):
         strategy.run(lambda: collectives.psum(tf.ones(2), "model"))
+
+
+def test_repeated_collectives_do_not_pile_up_threads(strategy):
+    """A collective timeout costs a sleeping thread per execution; the default has none."""
+    import re
+
+    def threads():
+        return int(re.search(r"Threads:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: collectives.psum(tf.ones(2), "model"))
+
+    step()
+    before = threads()
+    for _ in range(30):
+        step()
+    assert threads() - before < 8

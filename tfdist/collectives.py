@@ -40,14 +40,17 @@ class CollectiveEngine:
     Args:
         devices: device strings, index `i` being mesh device `i`.
         timeout_seconds: a collective that waits longer than this fails
-            instead of hanging (0 waits forever).
+            instead of hanging; 0 (the default) waits forever. TF implements
+            the timeout with one sleeping thread per collective *execution*
+            that lives for the whole timeout, so a long timeout on a busy
+            training loop piles up thousands of threads: use it to debug hangs.
     """
 
     _key_lock = threading.Lock()
     _next_group_key = itertools.count(7001)
     _next_instance_key = itertools.count(1 << 20)
 
-    def __init__(self, devices: Sequence[str], timeout_seconds: float = 600.0):
+    def __init__(self, devices: Sequence[str], timeout_seconds: float = 0.0):
         self.devices = tuple(devices)
         self.timeout_seconds = float(timeout_seconds)
         with tf.init_scope():

@@ -55,7 +55,9 @@ class MeshStrategy(tf.distribute.Strategy):
         devices: device names, one per mesh device (row-major). Default: the
             first `size` logical GPUs, else CPUs.
         collective_timeout: seconds a collective may wait for its peers before
-            failing instead of hanging.
+            failing instead of hanging; 0 (default) waits forever. Each
+            collective execution then holds a sleeping thread for that long,
+            so keep it for debugging hangs.
 
     Example:
 
@@ -81,7 +83,7 @@ class MeshStrategy(tf.distribute.Strategy):
         mesh_shape="data:1",
         layout=None,
         devices: Optional[Sequence[str]] = None,
-        collective_timeout: float = 600.0,
+        collective_timeout: float = 0.0,
     ):
         mesh = mesh_shape if isinstance(mesh_shape, Mesh) else Mesh.parse(mesh_shape, layout)
         devices = resolve_devices(mesh, devices)
