@@ -34,12 +34,13 @@ def build_token_mlp(vocab_size=16, d_model=8, d_ff=32, length=4) -> keras.Model:
 
 
 def make_copy_task(num_examples, vocab_size=16, length=4, seed=0):
-    """Ids and targets: each target token is `(token * 3 + position) % vocab`.
+    """Ids and targets: each target token is a fixed permutation of its input token,
+    `(7 * token + 3) % vocab` (a permutation when 7 does not divide vocab).
 
     Returns:
         `(x, y)`, int32 arrays of shape `[num_examples, length]`.
     """
     rng = np.random.default_rng(seed)
     x = rng.integers(0, vocab_size, size=(num_examples, length)).astype("int32")
-    y = ((x * 3 + np.arange(length)) % vocab_size).astype("int32")
+    y = ((7 * x + 3) % vocab_size).astype("int32")
     return x, y
