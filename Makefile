@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) bench/sharded_memory.py
+	$(PY) bench/mesh_strategy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
