@@ -3,6 +3,7 @@
 import keras
 import pytest
 
+from tfdist.layers import ShardedDense
 from tfdist.models import build_token_mlp, make_copy_task
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import assert_equivalent
@@ -40,3 +41,32 @@ def test_token_mlp_matches_single_device(mesh, optimizer):
         rtol=1e-5,
     )
     print(f"{mesh} {optimizer}: {report}")
+
+
+def _tied_mlp():
+    """One column-parallel layer applied twice: its gradient is a sum of two reads."""
+    x = inputs = keras.Input((8,))
+    shared = ShardedDense(8, ("d_model", "d_ff"), activation="tanh", name="shared")
+    y = ShardedDense(4, ("d_model", "vocab"), name="head")(shared(shared(x)))
+    return keras.Model(inputs, y)
+
+
+@pytest.mark.parametrize("mesh", ["data:1;model:2", "data:2;model:2"])
+def test_tied_weights_and_loss_scaling_match_single_device(mesh):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10 * BATCH, 8)).astype("float32")
+    y = rng.normal(size=(10 * BATCH, 4)).astype("float32")
+    report = assert_equivalent(
+        _tied_mlp,
+        MeshStrategy(mesh, LAYOUT),
+        x,
+        y,
+        loss=keras.losses.MeanSquaredError(),
+        optimizer=lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+        batch_size=BATCH,
+        steps=10,
+        rtol=1e-5,
+    )
+    print(f"{mesh} tied + loss scaling: {report}")

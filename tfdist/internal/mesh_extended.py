@@ -23,8 +23,8 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
    (so the record lacks it) raises rather than training wrong.
 
 Because the record is keyed by the all-reduce outputs, everything Keras does
-before the all-reduce (loss scaling, clipping, tied weights summing two reads)
-keeps working. The cost is one wasted global reduction of sharded gradients.
+before the all-reduce (loss scaling, tied weights summing two reads) keeps
+working. The cost is one wasted global reduction of sharded gradients.
 """
 
 import numpy as np

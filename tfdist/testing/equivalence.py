@@ -105,7 +105,7 @@ def compare_with_reference(
             once under `strategy.scope()`).
         strategy: the strategy under test.
         x, y: at least `steps * batch_size` examples.
-        loss: a Keras loss (name or object) with `sum_over_batch_size` reduction.
+        loss: a `keras.losses.Loss` object with `sum_over_batch_size` reduction.
         optimizer: makes a fresh optimizer.
         batch_size: the global batch size.
         steps: optimizer steps to compare weights after.
@@ -116,7 +116,9 @@ def compare_with_reference(
     with strategy.scope():
         model = build_model()
     model.set_weights(reference.get_weights())
-    loss_fn = keras.losses.get(loss)
+    if not isinstance(loss, keras.losses.Loss):
+        raise TypeError(f"loss must be a keras.losses.Loss object; received {loss!r}.")
+    loss_fn = loss
 
     forward = max_rel_diff(
         model.predict(x[:batch_size], batch_size=batch_size, verbose=0),
