@@ -35,6 +35,7 @@ from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import record
+from tensorflow.python.framework import ops
 
 from tfdist.mesh import TensorLayout
 
@@ -174,7 +175,6 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         self._record_graph = None
         self._reduced = {}
         self._foreign = set()
-        self._logged_jit = False
 
     # -- execution ---------------------------------------------------------
 
@@ -250,7 +250,7 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
     # -- reductions --------------------------------------------------------
 
     def _current_record(self):
-        graph = tf.compat.v1.get_default_graph()
+        graph = ops.get_default_graph()
         if self._record_graph is not graph:
             self._record_graph = graph
             self._reduced = {}
@@ -317,6 +317,8 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         out = []
         for i, local in enumerate(unreduced.values):
             group = next(g for g in groups if i in g)
+            with tf.device(self._devices[i]):
+                local = tf.convert_to_tensor(local)  # IndexedSlices -> dense shard
             summed = self.engine.all_reduce(local, i, group)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 summed = summed / len(group)

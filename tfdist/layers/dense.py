@@ -28,6 +28,8 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_axes,
+    check_positive_int,
     disable_jit_on_multi_device_mesh,
     sharded_mesh_axis,
 )
@@ -80,19 +82,8 @@ class ShardedDense(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
-            raise ValueError(
-                f"Received an invalid value for `units`, expected a positive "
-                f"integer. Received: units={units!r}"
-            )
-        kernel_axes = tuple(kernel_axes)
-        if len(kernel_axes) != 2:
-            raise ValueError(
-                f"`kernel_axes` names the logical axes of the 2-D kernel, e.g. "
-                f"('d_model', 'd_ff'). Received: kernel_axes={kernel_axes!r}"
-            )
-        self.units = units
-        self.kernel_axes = kernel_axes
+        self.units = check_positive_int("units", units)
+        self.kernel_axes = check_axes("kernel_axes", kernel_axes, ("d_model", "d_ff"))
         self.activation = keras.activations.get(activation)
         self.use_bias = bool(use_bias)
         self.input_sharded = bool(input_sharded)

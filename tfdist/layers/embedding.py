@@ -18,6 +18,8 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_axes,
+    check_positive_int,
     disable_jit_on_multi_device_mesh,
     sharded_mesh_axis,
 )
@@ -69,21 +71,9 @@ class ShardedEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        for arg, value in (("input_dim", input_dim), ("output_dim", output_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"Received an invalid value for `{arg}`, expected a positive "
-                    f"integer. Received: {arg}={value!r}"
-                )
-        embeddings_axes = tuple(embeddings_axes)
-        if len(embeddings_axes) != 2:
-            raise ValueError(
-                f"`embeddings_axes` names the logical axes of the 2-D table, "
-                f"e.g. ('vocab', 'd_model'). Received: embeddings_axes={embeddings_axes!r}"
-            )
-        self.input_dim = input_dim
-        self.output_dim = output_dim
-        self.embeddings_axes = embeddings_axes
+        self.input_dim = check_positive_int("input_dim", input_dim)
+        self.output_dim = check_positive_int("output_dim", output_dim)
+        self.embeddings_axes = check_axes("embeddings_axes", embeddings_axes, ("vocab", "d_model"))
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)

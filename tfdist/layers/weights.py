@@ -81,3 +81,24 @@ def disable_jit_on_multi_device_mesh(layer) -> None:
             1,
             mesh.size,
         )
+
+
+def check_positive_int(arg: str, value) -> int:
+    """Returns `value` if it is a positive int, else raises naming `arg`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(
+            f"Received an invalid value for `{arg}`, expected a positive "
+            f"integer. Received: {arg}={value!r}"
+        )
+    return value
+
+
+def check_axes(arg: str, axes, example: Sequence[str]) -> tuple:
+    """Returns the logical axes of a 2-D weight as a tuple, else raises naming `arg`."""
+    axes = tuple(axes)
+    if len(axes) != 2:
+        raise ValueError(
+            f"`{arg}` names the logical axes of the 2-D weight, e.g. "
+            f"{tuple(example)}. Received: {arg}={axes!r}"
+        )
+    return axes
