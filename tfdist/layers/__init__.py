@@ -2,6 +2,7 @@
 
 from tfdist.layers.dense import ShardedDense
 from tfdist.layers.embedding import ShardedEmbedding
+from tfdist.layers.moe import MoE
 from tfdist.layers.weights import add_sharded_weight
 
-__all__ = ["ShardedDense", "ShardedEmbedding", "add_sharded_weight"]
+__all__ = ["MoE", "ShardedDense", "ShardedEmbedding", "add_sharded_weight"]

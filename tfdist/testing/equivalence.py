@@ -4,8 +4,10 @@
 (`max|a - b| / max|b|` per tensor, the largest over tensors):
 
 - forward: `predict` outputs on the same inputs;
-- loss and gradients of one global batch (sharded gradients summed over the
-  replicas that hold each shard and reassembled into global tensors);
+- loss (including losses layers add with `add_loss`, compared on their own
+  as `added_losses`) and gradients of one global batch (sharded gradients
+  summed over the replicas that hold each shard, reassembled into global
+  tensors);
 - weights and optimizer variables after `steps` steps of `fit` on the same
   global batches.
 
@@ -37,17 +39,19 @@ def max_rel_diff(actual, expected) -> float:
 class EquivalenceReport:
     forward: float
     loss: float
+    added_losses: float
     gradients: float
     weights: float
     optimizer_variables: float
     steps: int
 
     def worst(self) -> float:
-        return max(self.forward, self.loss, self.gradients, self.weights,
-                   self.optimizer_variables)
+        return max(self.forward, self.loss, self.added_losses, self.gradients,
+                   self.weights, self.optimizer_variables)
 
     def __str__(self) -> str:
-        return (f"forward {self.forward:.1e}, loss {self.loss:.1e}, gradients "
+        return (f"forward {self.forward:.1e}, loss {self.loss:.1e}, added losses "
+                f"{self.added_losses:.1e}, gradients "
                 f"{self.gradients:.1e}, weights after {self.steps} steps "
                 f"{self.weights:.1e}, optimizer variables {self.optimizer_variables:.1e}")
 
@@ -57,19 +61,24 @@ def _global_gradients(strategy, model, loss_fn, x, y):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
     variables = model.trainable_variables
+    n = strategy.num_replicas_in_sync
 
     @tf.function
     def step(batch):
         def replica_fn(xb, yb):
-            # Under a strategy, Keras losses already divide by the replica count.
+            # Under a strategy, Keras loss objects already divide by the replica
+            # count; losses added by layers do not (Keras scales them in fit).
             with tf.GradientTape() as tape:
-                loss = loss_fn(yb, model(xb, training=True))
-            return loss, tape.gradient(loss, [v.value for v in variables])
+                predictions = model(xb, training=True)
+                added = tf.add_n(model.losses) / n if model.losses else tf.constant(0.0)
+                loss = loss_fn(yb, predictions) + added
+            return loss, added, tape.gradient(loss, [v.value for v in variables])
 
         return strategy.run(replica_fn, args=batch)
 
-    losses, grads = step(batch)
+    losses, added, grads = step(batch)
     loss = np.sum([l.numpy() for l in strategy.experimental_local_results(losses)])
+    added = np.sum([a.numpy() for a in strategy.experimental_local_results(added)])
     result = []
     for var, grad in zip(variables, grads):
         if grad is None or any(g is None for g in strategy.experimental_local_results(grad)):
@@ -83,7 +92,7 @@ def _global_gradients(strategy, model, loss_fn, x, y):
         for group in layout.shard_owner_groups():
             full[layout.shard_slices(group[0])] = np.sum([shards[i] for i in group], axis=0)
         result.append(full)
-    return loss, result
+    return loss, added, result
 
 
 def compare_with_reference(
@@ -124,9 +133,12 @@ def compare_with_reference(
         model.predict(x[:batch_size], batch_size=batch_size, verbose=0),
         reference.predict(x[:batch_size], batch_size=batch_size, verbose=0),
     )
-    loss_value, grads = _global_gradients(strategy, model, loss_fn, x[:batch_size], y[:batch_size])
+    loss_value, added, grads = _global_gradients(
+        strategy, model, loss_fn, x[:batch_size], y[:batch_size])
     with tf.GradientTape() as tape:
-        ref_loss = loss_fn(y[:batch_size], reference(x[:batch_size], training=True))
+        predictions = reference(x[:batch_size], training=True)
+        ref_added = tf.add_n(reference.losses) if reference.losses else tf.constant(0.0)
+        ref_loss = loss_fn(y[:batch_size], predictions) + ref_added
     ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
     gradients = max(max_rel_diff(g, tf.convert_to_tensor(r)) for g, r in zip(grads, ref_grads))
 
@@ -144,6 +156,7 @@ def compare_with_reference(
     return EquivalenceReport(
         forward=forward,
         loss=max_rel_diff(loss_value, ref_loss.numpy()),
+        added_losses=max_rel_diff(added, ref_added.numpy()),
         gradients=gradients,
         weights=weights,
         optimizer_variables=slots,

@@ -7,7 +7,8 @@ single-device Keras model every sharded path is compared against.
 
 import keras
 
-from tfdist.layers import ShardedDense, ShardedEmbedding
+from tfdist.layers import MoE, ShardedDense, ShardedEmbedding
+from tfdist.testing.moe_reference import ReferenceMoE
 
 
 @keras.saving.register_keras_serializable(package="tfdist_testing")
@@ -55,6 +56,14 @@ def reference_layer(layer):
         )
     if isinstance(layer, ShardedEmbedding):
         return ReferenceEmbedding(layer.input_dim, layer.output_dim, name=layer.name)
+    if isinstance(layer, MoE):
+        if layer.second_expert_policy != "all" or layer.router_jitter or layer.dropout:
+            raise ValueError(
+                f"The MoE reference covers second_expert_policy='all' without jitter "
+                f"or dropout; layer {layer.name!r} has "
+                f"{layer.second_expert_policy!r}, {layer.router_jitter}, {layer.dropout}."
+            )
+        return ReferenceMoE.from_config(layer.get_config())
     return layer.__class__.from_config(layer.get_config())
 
 

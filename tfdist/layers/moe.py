@@ -1,0 +1,365 @@
+"""GShard-style mixture of experts, sharded by the layout rules.
+
+Dimension cheat-sheet (as in Mesh-TF's moe.py):
+
+    B  batch (per replica)          L  length
+    M  d_model                      H  d_ff (expert hidden size)
+    T  tokens = B * L               S  group size (tokens per dispatch group)
+    G  groups = T / S               E  experts
+    C  expert capacity per group    A  size of the mesh axis the experts
+                                       (or d_ff) are split over
+
+Routing happens within each group of S consecutive tokens (GShard's local
+dispatch groups): the router picks each token's top-1 (and top-2) expert,
+every expert takes at most C tokens of a group (top-1 choices first, in token
+order, then top-2 choices), and tokens over capacity pass through with zero
+output from that expert (the model's residual carries them).
+
+    C = max(min_capacity, min(S, ceil(top_k * S * capacity_factor / E)))
+
+Expert parallelism (`experts:A`): each device holds E/A experts; tokens go to
+their experts and back with two all-to-alls over A. Expert hidden split
+(`d_ff:A`): each device holds every expert's H/A slice; the batch is gathered
+over A and the partial outputs reduce-scattered back.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist.layers.weights import (
+    add_sharded_weight,
+    check_positive_int,
+    disable_jit_on_multi_device_mesh,
+    sharded_mesh_axis,
+)
+
+SECOND_EXPERT_POLICIES = ("all", "sampling", "threshold")
+
+
+def expert_capacity(group_size, num_experts, top_k, capacity_factor, min_capacity):
+    """Tokens each expert takes from one group of `group_size` tokens."""
+    wanted = math.ceil(top_k * group_size * capacity_factor / num_experts)
+    return max(min_capacity, min(group_size, wanted))
+
+
+def top_k_gating(
+    logits,
+    top_k,
+    capacity,
+    second_expert_policy="all",
+    second_expert_threshold=0.2,
+    training=False,
+    seed=None,
+):
+    """GShard top-1/top-2 gating with capacity, computed per group.
+
+    Args:
+        logits: router logits `[G, S, E]` (float32).
+        top_k: 1 (Switch) or 2 (GShard).
+        capacity: C, tokens per expert per group.
+        second_expert_policy: for top-2, which second choices are kept:
+            `all`; `threshold` (gate_2 > threshold); `sampling` (in training,
+            with probability gate_2 / threshold; in evaluation as `threshold`).
+        second_expert_threshold: the threshold of the two policies above.
+        training: whether the layer is training.
+        seed: a `keras.random.SeedGenerator` for `sampling`.
+
+    Returns:
+        `(dispatch, combine, stats)`: `dispatch [G, S, E, C]` is 1 where a token
+        goes to slot c of expert e; `combine [G, S, E, C]` holds its gate there;
+        `stats` has `aux_loss` (GShard load balancing), `z_loss`,
+        `dropped_fraction` (tokens whose top-1 choice was over capacity) and
+        `load` (`[E]`, fraction of tokens each expert takes as top-1).
+    """
+    num_experts = logits.shape[-1]
+    probs = tf.nn.softmax(logits, axis=-1)  # [G, S, E]
+    index_1 = tf.argmax(probs, axis=-1)  # [G, S]
+    mask_1 = tf.one_hot(index_1, num_experts, dtype=probs.dtype)  # [G, S, E]
+    gate_1 = tf.reduce_sum(probs * mask_1, axis=-1)  # [G, S]
+
+    # GShard's auxiliary loss: mean over groups and experts of
+    # (fraction of tokens whose top-1 is e) * (mean router probability of e), times E^2.
+    density = tf.reduce_mean(mask_1, axis=1)  # [G, E]
+    density_proxy = tf.reduce_mean(probs, axis=1)  # [G, E]
+    aux_loss = tf.reduce_mean(density * density_proxy) * float(num_experts**2)
+    z_loss = tf.reduce_mean(tf.square(tf.reduce_logsumexp(logits, axis=-1)))
+
+    if top_k == 2:
+        probs_2 = probs * (1.0 - mask_1)
+        index_2 = tf.argmax(probs_2, axis=-1)
+        mask_2 = tf.one_hot(index_2, num_experts, dtype=probs.dtype)
+        gate_2 = tf.reduce_sum(probs_2 * mask_2, axis=-1)
+        denom = gate_1 + gate_2 + 1e-9
+        gate_1, gate_2 = gate_1 / denom, gate_2 / denom
+        if second_expert_policy == "threshold" or (
+            second_expert_policy == "sampling" and not training
+        ):
+            mask_2 *= tf.cast(gate_2 > second_expert_threshold, probs.dtype)[..., None]
+        elif second_expert_policy == "sampling":
+            uniform = keras.random.uniform(tf.shape(gate_2), seed=seed)
+            keep = uniform < gate_2 / max(second_expert_threshold, 1e-9)
+            mask_2 *= tf.cast(keep, probs.dtype)[..., None]
+
+    # Slot of each token in its expert: top-1 choices first, in token order.
+    position_1 = tf.cumsum(mask_1, axis=1, exclusive=True) * mask_1  # [G, S, E]
+    mask_1 *= tf.cast(position_1 < capacity, probs.dtype)
+    kept_1 = tf.reduce_sum(mask_1, axis=-1)  # [G, S]
+    slot_1 = tf.cast(tf.reduce_sum(position_1 * mask_1, axis=-1), tf.int32)  # [G, S]
+    dispatch = mask_1[..., None] * tf.one_hot(slot_1, capacity, dtype=probs.dtype)[:, :, None, :]
+    combine = (gate_1 * kept_1)[..., None, None] * dispatch  # [G, S, E, C]
+    load = tf.reduce_mean(mask_1, axis=[0, 1])  # [E]
+    dropped = 1.0 - tf.reduce_mean(kept_1)
+
+    if top_k == 2:
+        taken_1 = tf.reduce_sum(mask_1, axis=1, keepdims=True)  # [G, 1, E]
+        position_2 = (tf.cumsum(mask_2, axis=1, exclusive=True) + taken_1) * mask_2
+        mask_2 *= tf.cast(position_2 < capacity, probs.dtype)
+        kept_2 = tf.reduce_sum(mask_2, axis=-1)
+        slot_2 = tf.cast(tf.reduce_sum(position_2 * mask_2, axis=-1), tf.int32)
+        dispatch_2 = mask_2[..., None] * tf.one_hot(slot_2, capacity, dtype=probs.dtype)[:, :, None, :]
+        dispatch += dispatch_2
+        combine += (gate_2 * kept_2)[..., None, None] * dispatch_2
+
+    stats = dict(aux_loss=aux_loss, z_loss=z_loss, dropped_fraction=dropped, load=load)
+    return dispatch, combine, stats
+
+
+class ExpertLoad(keras.metrics.Metric):
+    """Per-expert load: the fraction of tokens each expert takes as top-1.
+
+    `result()` is the load of the busiest expert times E (1.0 when balanced);
+    `per_expert()` returns the `[E]` fractions.
+    """
+
+    def __init__(self, num_experts, name="expert_load", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_experts = num_experts
+        self.total = self.add_variable(shape=(num_experts,), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, load):
+        self.total.assign_add(tf.cast(load, self.dtype))
+        self.count.assign_add(tf.constant(1.0, self.dtype))
+
+    def per_expert(self):
+        return self.total / tf.maximum(self.count, 1.0)
+
+    def result(self):
+        return tf.reduce_max(self.per_expert()) * float(self.num_experts)
+
+    def get_config(self):
+        return {"num_experts": self.num_experts, "name": self.name}
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class MoE(keras.layers.Layer):
+    """A GShard mixture-of-experts feed-forward layer.
+
+    Args:
+        num_experts: E.
+        d_ff: H, each expert's hidden size.
+        top_k: 1 (Switch-style) or 2 (GShard).
+        capacity_factor: capacity factor in training (Mesh-TF: 1.25).
+        eval_capacity_factor: capacity factor in evaluation (Mesh-TF: 2.0).
+        min_capacity: the least capacity per expert and group.
+        second_expert_policy: `all`, `sampling` or `threshold` (top-2 only).
+        second_expert_threshold: threshold of the two policies above.
+        group_size: S, tokens per dispatch group; must divide the tokens each
+            replica holds (batch * length).
+        aux_loss_coef: weight of GShard's load-balancing loss (Mesh-TF: 1e-2).
+        z_loss_coef: weight of the router z-loss (ST-MoE).
+        router_jitter: in training, multiply router inputs by noise drawn
+            uniformly from [1 - jitter, 1 + jitter] (Switch).
+        activation: expert activation.
+        dropout: dropout rate on the expert hidden activations.
+        seed: seed for jitter, dropout and sampling.
+
+    Input shape: `[batch, length, d_model]` or `[batch, d_model]`.
+    Output shape: the same.
+
+    Weights: `router [d_model, E]` (replicated), `wi [E, d_model, d_ff]` and
+    `wo [E, d_ff, d_model]` with logical axes `experts`, `d_model`, `d_ff`.
+
+    Example:
+
+    ```python
+    strategy = MeshStrategy("data:2;model:2", "batch:data;experts:model")
+    with strategy.scope():
+        moe = MoE(num_experts=8, d_ff=1024, top_k=2, group_size=256)
+        y = x + moe(x)   # each device holds 4 of the 8 experts
+    ```
+    """
+
+    def __init__(
+        self,
+        num_experts,
+        d_ff,
+        top_k=2,
+        capacity_factor=1.25,
+        eval_capacity_factor=2.0,
+        min_capacity=4,
+        second_expert_policy="all",
+        second_expert_threshold=0.2,
+        group_size=1024,
+        aux_loss_coef=1e-2,
+        z_loss_coef=0.0,
+        router_jitter=0.0,
+        activation="relu",
+        dropout=0.0,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_experts = check_positive_int("num_experts", num_experts)
+        self.d_ff = check_positive_int("d_ff", d_ff)
+        self.group_size = check_positive_int("group_size", group_size)
+        self.min_capacity = check_positive_int("min_capacity", min_capacity)
+        if top_k not in (1, 2):
+            raise ValueError(f"`top_k` must be 1 or 2. Received: top_k={top_k!r}")
+        if top_k > num_experts:
+            raise ValueError(
+                f"`top_k` cannot exceed `num_experts`. Received: top_k={top_k}, "
+                f"num_experts={num_experts}"
+            )
+        for name, value in (("capacity_factor", capacity_factor),
+                            ("eval_capacity_factor", eval_capacity_factor)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"`{name}` must be positive. Received: {name}={value!r}")
+        if second_expert_policy not in SECOND_EXPERT_POLICIES:
+            raise ValueError(
+                f"`second_expert_policy` must be one of {list(SECOND_EXPERT_POLICIES)}. "
+                f"Received: second_expert_policy={second_expert_policy!r}"
+            )
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                            ("router_jitter", router_jitter),
+                            ("second_expert_threshold", second_expert_threshold)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"`{name}` must be >= 0. Received: {name}={value!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        if router_jitter >= 1:
+            raise ValueError(f"`router_jitter` must be < 1. Received: router_jitter={router_jitter!r}")
+        self.top_k = top_k
+        self.capacity_factor = float(capacity_factor)
+        self.eval_capacity_factor = float(eval_capacity_factor)
+        self.second_expert_policy = second_expert_policy
+        self.second_expert_threshold = float(second_expert_threshold)
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.z_loss_coef = float(z_loss_coef)
+        self.router_jitter = float(router_jitter)
+        self.activation = keras.activations.get(activation)
+        self.dropout = float(dropout)
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.weight_layouts = {}
+        disable_jit_on_multi_device_mesh(self)
+        self.aux_loss_metric = keras.metrics.Mean(name=f"{self.name}_aux_loss")
+        self.z_loss_metric = keras.metrics.Mean(name=f"{self.name}_z_loss")
+        self.dropped_metric = keras.metrics.Mean(name=f"{self.name}_dropped")
+        self.load_metric = ExpertLoad(num_experts, name=f"{self.name}_max_load")
+
+    def build(self, input_shape):
+        d_model = int(input_shape[-1])
+        E, H = self.num_experts, self.d_ff
+        self.router = add_sharded_weight(self, "router", (d_model, E), ("d_model", None),
+                                         initializer="glorot_uniform")
+        self.wi = add_sharded_weight(self, "wi", (E, d_model, H), ("experts", "d_model", "d_ff"),
+                                     initializer=keras.initializers.VarianceScaling(1.0, "fan_in"))
+        self.wo = add_sharded_weight(self, "wo", (E, H, d_model), ("experts", "d_ff", "d_model"),
+                                     initializer=keras.initializers.VarianceScaling(1.0, "fan_in"))
+        layout = self.weight_layouts["wi"]
+        self._expert_axis = sharded_mesh_axis(layout, 0)
+        self._ff_axis = sharded_mesh_axis(layout, 2)
+        if sharded_mesh_axis(layout, 1) is not None:
+            raise ValueError(
+                f"Layer {self.name!r}: expert weights {layout} are split over "
+                f"d_model; MoE splits experts or d_ff."
+            )
+        if self._expert_axis and self._ff_axis:
+            raise ValueError(
+                f"Layer {self.name!r}: expert weights {layout} are split over both "
+                f"experts and d_ff; use one of the rules 'experts:...' or 'd_ff:...'."
+            )
+
+    def call(self, inputs, training=False):
+        x = tf.convert_to_tensor(inputs)
+        shape = tf.shape(x)
+        d_model = x.shape[-1]
+        tokens = tf.reshape(x, [-1, d_model])  # [T, M]
+        if self._ff_axis is not None:
+            tokens = collectives.all_gather(tokens, self._ff_axis, dim=0)  # [T*A, M]
+        num_tokens = tokens.shape[0]
+        S = self.group_size
+        if num_tokens is None or num_tokens % S:
+            raise ValueError(
+                f"Layer {self.name!r}: group_size={S} must divide the {num_tokens} "
+                f"tokens (batch * length) each replica routes; use a batch whose "
+                f"per-replica token count is a multiple of {S}."
+            )
+        G = num_tokens // S
+        groups = tf.reshape(tokens, [G, S, d_model])  # [G, S, M]
+
+        router_in = groups
+        if training and self.router_jitter > 0:
+            router_in = groups * keras.random.uniform(
+                tf.shape(groups), 1.0 - self.router_jitter, 1.0 + self.router_jitter,
+                seed=self.seed_generator)
+        logits = tf.einsum("gsm,me->gse", tf.cast(router_in, "float32"),
+                           tf.cast(self.router, "float32"))  # [G, S, E]
+        factor = self.capacity_factor if training else self.eval_capacity_factor
+        capacity = expert_capacity(S, self.num_experts, self.top_k, factor, self.min_capacity)
+        dispatch, combine, stats = top_k_gating(
+            logits, self.top_k, capacity, self.second_expert_policy,
+            self.second_expert_threshold, training, self.seed_generator)
+        dispatch = tf.cast(dispatch, groups.dtype)
+        combine = tf.cast(combine, groups.dtype)
+
+        expert_in = tf.einsum("gsec,gsm->egcm", dispatch, groups)  # [E, G, C, M]
+        if self._expert_axis is not None:
+            # [E, G, C, M] -> [E/A, G*A, C, M]: each device gets its experts' tokens.
+            expert_in = collectives.all_to_all(expert_in, self._expert_axis, split_dim=0, concat_dim=1)
+        hidden = self.activation(tf.einsum("egcm,emh->egch", expert_in, self.wi))  # [E', G', C, H']
+        if training and self.dropout > 0:
+            hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
+        expert_out = tf.einsum("egch,ehm->egcm", hidden, self.wo)  # [E', G', C, M]
+        if self._expert_axis is not None:
+            # [E/A, G*A, C, M] -> [E, G, C, M]: outputs go back to their tokens.
+            expert_out = collectives.all_to_all(expert_out, self._expert_axis, split_dim=1, concat_dim=0)
+        y = tf.einsum("gsec,egcm->gsm", combine, expert_out)  # [G, S, M]
+        y = tf.reshape(y, [num_tokens, d_model])
+        if self._ff_axis is not None:
+            y = collectives.reduce_scatter(y, self._ff_axis, dim=0)  # partial over H -> [T, M]
+
+        self.add_loss(self.aux_loss_coef * stats["aux_loss"] + self.z_loss_coef * stats["z_loss"])
+        self.aux_loss_metric.update_state(stats["aux_loss"])
+        self.z_loss_metric.update_state(stats["z_loss"])
+        self.dropped_metric.update_state(stats["dropped_fraction"])
+        self.load_metric.update_state(stats["load"])
+        return tf.reshape(y, shape)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_experts=self.num_experts,
+            d_ff=self.d_ff,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            eval_capacity_factor=self.eval_capacity_factor,
+            min_capacity=self.min_capacity,
+            second_expert_policy=self.second_expert_policy,
+            second_expert_threshold=self.second_expert_threshold,
+            group_size=self.group_size,
+            aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef,
+            router_jitter=self.router_jitter,
+            activation=keras.activations.serialize(self.activation),
+            dropout=self.dropout,
+            seed=self.seed,
+        )
+        return config
