@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/mesh_strategy.py
+	$(PY) bench/moe.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

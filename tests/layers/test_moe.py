@@ -212,3 +212,24 @@ def test_moe_learns_cluster_specific_maps_better_than_dense_with_same_active_par
     assert moe_history["moe_max_load"][-1] < 1.5  # busiest expert < 1.5x its fair share
     assert moe_history["moe_dropped"][-1] < 0.01
     assert {"moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load"} <= set(moe_history)
+
+
+def test_sampling_policy_keeps_second_choices_in_proportion_to_their_gate():
+    # Every token: gate_2 = 0.1 after renormalisation; threshold 0.2 -> kept with p = 0.5.
+    p = np.log(np.array([0.9, 0.1]))
+    logits = tf.constant(np.tile(p, (1, 4000, 1)), dtype=tf.float32)
+    seed = keras.random.SeedGenerator(1)
+    dispatch, _, _ = top_k_gating(logits, top_k=2, capacity=8000, second_expert_policy="sampling",
+                                  second_expert_threshold=0.2, training=True, seed=seed)
+    kept = dispatch.numpy()[0, :, 1].sum() / 4000
+    assert 0.45 < kept < 0.55
+    dispatch, _, _ = top_k_gating(logits, top_k=2, capacity=8000, second_expert_policy="sampling",
+                                  second_expert_threshold=0.2, training=False)
+    assert dispatch.numpy()[0, :, 1].sum() == 0  # evaluation: deterministic threshold
+
+
+def test_jitter_and_dropout_act_only_in_training():
+    layer = MoE(4, 8, group_size=4, router_jitter=0.5, dropout=0.5, seed=0)
+    x = np.random.default_rng(0).normal(size=(2, 4, 6)).astype("float32")
+    np.testing.assert_array_equal(layer(x, training=False), layer(x, training=False))
+    assert not np.allclose(layer(x, training=True), layer(x, training=False))
