@@ -17,7 +17,7 @@ demo: $(STAMP)
 	    --layout='batch:data;d_ff:model;vocab:model'
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(PY) bench/mesh_strategy.py
