@@ -60,6 +60,14 @@ def test_psum(strategy, axis):
         np.testing.assert_allclose(value, sum(_np_x(p) for p in _group(axis, r)))
 
 
+@pytest.mark.parametrize("axis", ["model", "data"])
+def test_pmax(strategy, axis):
+    out = _run(strategy, lambda r: collectives.pmax(_x(r) * (-1.0) ** r, axis))
+    for r, value in enumerate(out):
+        np.testing.assert_allclose(
+            value, np.max([_np_x(p) * (-1.0) ** p for p in _group(axis, r)], axis=0))
+
+
 @pytest.mark.parametrize("axis, dim", [("model", 0), ("model", 1), ("data", 1)])
 def test_all_gather(strategy, axis, dim):
     out = _run(strategy, lambda r: collectives.all_gather(_x(r), axis, dim=dim))
@@ -131,7 +139,8 @@ def test_gradients_match_the_global_computation(strategy, name):
 def test_outside_a_replica_collectives_are_the_identity():
     x = tf.constant([[1.0, 2.0]])
     assert collectives.axis_size("model") == 1 and collectives.axis_index("model") == 0
-    for y in (collectives.psum(x, "model"), collectives.all_gather(x, "model"),
+    for y in (collectives.psum(x, "model"), collectives.pmax(x, "model"),
+              collectives.all_gather(x, "model"),
               collectives.reduce_scatter(x, "model"),
               collectives.all_to_all(x, "model", split_dim=0, concat_dim=1)):
         np.testing.assert_array_equal(y.numpy(), x.numpy())

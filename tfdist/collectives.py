@@ -97,14 +97,14 @@ class CollectiveEngine:
             timeout_seconds=self.timeout_seconds,
         )
 
-    def all_reduce(self, x, replica: int, group: Tuple[int, ...]):
-        """Sum of `x` over the devices of `group`."""
+    def all_reduce(self, x, replica: int, group: Tuple[int, ...], merge_op: str = "Add"):
+        """`merge_op` ("Add", "Max", "Min", "Mul") of `x` over the devices of `group`."""
         if len(group) == 1:
             return tf.identity(x)
         with tf.device(self.devices[replica]):
             return tf.raw_ops.CollectiveReduceV2(
                 input=x,
-                merge_op="Add",
+                merge_op=merge_op,
                 final_op="Id",
                 **self._common(replica, group),
             )
@@ -208,6 +208,14 @@ def _psum(ctx, x):
         return ctx.engine.all_reduce(x, ctx.replica, ctx.group), grad
 
     return op(x)
+
+
+def pmax(x, axis: Optional[str]):
+    """Element-wise maximum of `x` over mesh axis `axis` (no gradient)."""
+    ctx = axis_context(axis)
+    if ctx is None:
+        return tf.stop_gradient(x)
+    return tf.stop_gradient(ctx.engine.all_reduce(x, ctx.replica, ctx.group, merge_op="Max"))
 
 
 def all_gather(x, axis: Optional[str], dim: int = 0):
