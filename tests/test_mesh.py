@@ -131,3 +131,14 @@ def test_mesh_module_does_not_import_tensorflow():
 
     code = "import sys, tfdist.mesh; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_padded_layout_rounds_up_split_dimensions():
+    mesh = Mesh.parse("data:1;model:4", "classes:model")
+    layout = mesh.tensor_layout(("d_model", "classes"), (3, 1001), pad=True)
+    assert layout.is_padded and layout.padded_shape == (3, 1004)
+    assert layout.local_shape == (3, 251)
+    assert layout.shard_slices(3) == (slice(0, 3), slice(753, 1004))
+    assert not mesh.tensor_layout(("d_model", "classes"), (3, 1000), pad=True).is_padded
+    with pytest.raises(ValueError, match="size 1001 does not divide"):
+        mesh.tensor_layout(("d_model", "classes"), (3, 1001))

@@ -295,12 +295,21 @@ class TensorLayout:
         shape: the global shape.
         mesh_axes: the mesh axis each dimension is split over, or None.
         mesh_shape: the mesh.
+        padded_shape: the global shape rounded up so that every split
+            dimension divides by its mesh axis (equal to `shape` unless the
+            layout was made with `pad=True`); the padding lives at the end of
+            the last shard.
     """
 
     logical_axes: Tuple[Optional[str], ...]
     shape: Tuple[int, ...]
     mesh_axes: Tuple[Optional[str], ...]
     mesh_shape: MeshShape
+    padded_shape: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.padded_shape is None:
+            object.__setattr__(self, "padded_shape", self.shape)
 
     @property
     def is_sharded(self) -> bool:
@@ -321,18 +330,22 @@ class TensorLayout:
     def local_shape(self) -> Tuple[int, ...]:
         return tuple(
             n if a is None else n // self.mesh_shape.axis_size(a)
-            for n, a in zip(self.shape, self.mesh_axes)
+            for n, a in zip(self.padded_shape, self.mesh_axes)
         )
+
+    @property
+    def is_padded(self) -> bool:
+        return self.padded_shape != self.shape
 
     @property
     def num_shards(self) -> int:
         return math.prod(self.mesh_shape.axis_size(a) for a in self.sharded_mesh_axes)
 
     def shard_slices(self, device_index: int) -> Tuple[slice, ...]:
-        """The slice of the global tensor that device `device_index` holds."""
+        """The slice of the (padded) global tensor that device `device_index` holds."""
         coords = self.mesh_shape.coordinates(device_index)
         slices = []
-        for n, local, a in zip(self.shape, self.local_shape, self.mesh_axes):
+        for local, a in zip(self.local_shape, self.mesh_axes):
             start = 0 if a is None else coords[a] * local
             slices.append(slice(start, start + local))
         return tuple(slices)
@@ -391,6 +404,7 @@ class Mesh:
         logical_axes: Sequence[Optional[str]],
         shape: Sequence[int],
         what: str = "tensor",
+        pad: bool = False,
     ) -> TensorLayout:
         """Applies the rules to a tensor, checking them as Mesh-TF does.
 
@@ -398,6 +412,9 @@ class Mesh:
             logical_axes: one logical axis (or None) per dimension.
             shape: the global shape.
             what: a name for errors, e.g. `"layer 'ffn' weight 'kernel'"`.
+            pad: round split dimensions up to a multiple of their mesh axis
+                instead of raising (for class and vocabulary counts; the layer
+                must mask the padding).
 
         Raises:
             ValueError: if two dimensions map to the same mesh axis, or a
@@ -421,7 +438,11 @@ class Mesh:
                 f"layout {self.rules} on mesh {self.shape}: a tensor may split "
                 f"each mesh axis at most once."
             )
-        for logical, n, a in zip(logical_axes, shape, mesh_axes):
+        padded = tuple(
+            -(-n // self.shape.axis_size(a)) * self.shape.axis_size(a) if a and pad else n
+            for n, a in zip(shape, mesh_axes)
+        )
+        for logical, n, a in zip(logical_axes, padded, mesh_axes):
             if a is not None and n % self.shape.axis_size(a):
                 raise ValueError(
                     f"{what}: dimension {logical!r} of size {n} does not divide "
@@ -430,7 +451,7 @@ class Mesh:
                     f"is a multiple of {self.shape.axis_size(a)} or drop the "
                     f"rule '{logical}:{a}'."
                 )
-        return TensorLayout(logical_axes, shape, mesh_axes, self.shape)
+        return TensorLayout(logical_axes, shape, mesh_axes, self.shape, padded)
 
     def __str__(self) -> str:
         return f"mesh {self.shape} with layout {self.rules.to_string() or '(none)'}"

@@ -69,3 +69,28 @@ def test_assigning_a_wrong_global_shape_names_it():
         assert "global shape (4, 8)" in str(e)
     else:
         raise AssertionError("expected a ValueError")
+
+
+class _Padded(keras.layers.Layer):
+    def build(self, input_shape):
+        self.w = add_sharded_weight(self, "w", (2, 7), ("d_model", "classes"), pad=True,
+                                    initializer=keras.initializers.Constant(
+                                        np.arange(14).reshape(2, 7)))
+
+    def call(self, x):
+        return x
+
+
+def test_padded_sharded_variable_hides_its_padding():
+    strategy = MeshStrategy("data:1;model:4", "classes:model")
+    with strategy.scope():
+        layer = _Padded()
+        layer.build(None)
+    var = layer.w.value
+    assert [tuple(c.shape) for c in var.values] == [(2, 2)] * 4
+    full = np.arange(14, dtype="float32").reshape(2, 7)
+    np.testing.assert_array_equal(layer.w.numpy(), full)
+    np.testing.assert_array_equal(var.values[3].numpy(), [[6, 0], [13, 0]])
+    layer.w.assign(full + 1)
+    np.testing.assert_array_equal(var.values[3].numpy(), [[7, 0], [14, 0]])
+    np.testing.assert_array_equal(layer.w.numpy(), full + 1)

@@ -86,6 +86,13 @@ class ShardedVariable(values.MirroredVariable):
     def _get_cross_replica(self):
         return assemble_global(self._tfdist_layout, [v.read_value() for v in self._values])
 
+    def _shards_of(self, value):
+        """Splits a global value (padded with zeros where the layout pads)."""
+        layout = self._tfdist_layout
+        if layout.is_padded:
+            value = tf.pad(value, [[0, p - n] for n, p in zip(layout.shape, layout.padded_shape)])
+        return [value[layout.shard_slices(i)] for i in range(len(self._values))]
+
     def value(self):
         return self._get()
 
@@ -108,9 +115,8 @@ class ShardedVariable(values.MirroredVariable):
                 f"variable {self.name!r} of global shape {self._tfdist_layout.shape}."
             )
         updates = []
-        for i, component in enumerate(self._values):
+        for component, shard in zip(self._values, self._shards_of(value)):
             with tf.device(component.device):
-                shard = value[self._tfdist_layout.shard_slices(i)]
                 updates.append(update_fn(component, shard, **kwargs))
         if all(isinstance(u, tf.Variable) for u in updates):
             return self
@@ -130,7 +136,10 @@ class ShardedVariable(values.MirroredVariable):
 
 
 def assemble_global(layout: TensorLayout, shards):
-    """Concatenates per-device shards (indexed by device) into the global tensor."""
+    """Concatenates per-device shards (indexed by device) into the global tensor.
+
+    Padding (see `TensorLayout.padded_shape`) is cut off.
+    """
     mesh = layout.mesh_shape
     split = [(dim, axis) for dim, axis in enumerate(layout.mesh_axes) if axis in layout.sharded_mesh_axes]
 
@@ -144,7 +153,10 @@ def assemble_global(layout: TensorLayout, shards):
             axis=dim,
         )
 
-    return build(0, {})
+    full = build(0, {})
+    if layout.is_padded:
+        full = full[tuple(slice(0, n) for n in layout.shape)]
+    return full
 
 
 def _source(t):
@@ -236,6 +248,9 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
                 f"sharded variable {kwargs.get('name')!r} does not match its "
                 f"layout {layout}."
             )
+        if layout.is_padded:
+            with tf.init_scope(), tf.device(self._devices[0]):
+                value = tf.pad(value, [[0, p - n] for n, p in zip(layout.shape, layout.padded_shape)])
         components = []
         for i, device in enumerate(self._devices):
             with tf.device(device), record.stop_recording():

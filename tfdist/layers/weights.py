@@ -15,6 +15,7 @@ def add_sharded_weight(
     name: str,
     shape: Sequence[int],
     axes: Sequence[Optional[str]],
+    pad: bool = False,
     **kwargs,
 ):
     """`layer.add_weight` for a weight with logical `axes`.
@@ -28,6 +29,8 @@ def add_sharded_weight(
         name: weight name.
         shape: global shape.
         axes: one logical axis name (or None) per dimension.
+        pad: let split dimensions that do not divide by their mesh axis be
+            padded (per `TensorLayout.padded_shape`); the layer masks padding.
         **kwargs: passed to `layer.add_weight` (initializer, dtype, ...).
 
     Returns:
@@ -40,7 +43,7 @@ def add_sharded_weight(
     """
     mesh = collectives.current_mesh()
     layout = mesh.tensor_layout(
-        axes, shape, what=f"Layer {layer.name!r} weight {name!r}"
+        axes, shape, what=f"Layer {layer.name!r} weight {name!r}", pad=pad
     )
     if not hasattr(layer, "weight_layouts"):
         layer.weight_layouts = {}

@@ -88,10 +88,10 @@ def _global_gradients(strategy, model, loss_fn, x, y):
         if layout is None:
             result.append(np.sum(shards, axis=0))
             continue
-        full = np.zeros(layout.shape, dtype=np.float64)
+        full = np.zeros(layout.padded_shape, dtype=np.float64)
         for group in layout.shard_owner_groups():
             full[layout.shard_slices(group[0])] = np.sum([shards[i] for i in group], axis=0)
-        result.append(full)
+        result.append(full[tuple(slice(0, n) for n in layout.shape)])
     return loss, added, result
 
 
