@@ -3,6 +3,21 @@
 from tfdist.layers.dense import ShardedDense
 from tfdist.layers.embedding import ShardedEmbedding
 from tfdist.layers.moe import MoE
+from tfdist.layers.sharded_softmax import (
+    ShardedSoftmax,
+    ShardedSparseCategoricalCrossentropy,
+    ShardedTopK,
+    ShardedTopKAccuracy,
+)
 from tfdist.layers.weights import add_sharded_weight
 
-__all__ = ["MoE", "ShardedDense", "ShardedEmbedding", "add_sharded_weight"]
+__all__ = [
+    "MoE",
+    "ShardedDense",
+    "ShardedEmbedding",
+    "ShardedSoftmax",
+    "ShardedSparseCategoricalCrossentropy",
+    "ShardedTopK",
+    "ShardedTopKAccuracy",
+    "add_sharded_weight",
+]

@@ -7,7 +7,7 @@ single-device Keras model every sharded path is compared against.
 
 import keras
 
-from tfdist.layers import MoE, ShardedDense, ShardedEmbedding
+from tfdist.layers import MoE, ShardedDense, ShardedEmbedding, ShardedSoftmax
 from tfdist.testing.moe_reference import ReferenceMoE
 
 
@@ -54,6 +54,8 @@ def reference_layer(layer):
             use_bias=layer.use_bias,
             name=layer.name,
         )
+    if isinstance(layer, ShardedSoftmax):
+        return keras.layers.Dense(layer.num_classes, use_bias=layer.use_bias, name=layer.name)
     if isinstance(layer, ShardedEmbedding):
         return ReferenceEmbedding(layer.input_dim, layer.output_dim, name=layer.name)
     if isinstance(layer, MoE):
@@ -72,3 +74,23 @@ def reference_model(model):
     twin = keras.models.clone_model(model, clone_function=reference_layer)
     twin.set_weights(model.get_weights())
     return twin
+
+
+@keras.saving.register_keras_serializable(package="tfdist_testing")
+class SmoothedSparseCrossentropy(keras.losses.Loss):
+    """Keras's CategoricalCrossentropy(from_logits, label_smoothing) on int labels.
+
+    The reference for `ShardedSparseCategoricalCrossentropy` (Keras's sparse
+    cross-entropy has no label smoothing).
+    """
+
+    def __init__(self, num_classes, label_smoothing=0.0, name="smoothed_sparse_ce", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        self._dense = keras.losses.CategoricalCrossentropy(
+            from_logits=True, label_smoothing=label_smoothing, reduction=None)
+
+    def call(self, y_true, y_pred):
+        labels = keras.ops.cast(keras.ops.reshape(y_true, (-1,)), "int32")
+        return self._dense(keras.ops.one_hot(labels, self.num_classes), y_pred)

@@ -1,0 +1,263 @@
+"""Extreme classification: a softmax whose classes are split over devices.
+
+Letters: b = per-replica batch, M = size of the mesh axis `classes` maps to,
+C = number of classes, C_l = ceil(C / M) classes per device, d = d_model.
+
+    features [b, d] -> all_gather over the class axis -> [b*M, d]
+    logits   [b*M, C_l] = features @ kernel[:, shard]      (never [b, C])
+
+Every reduction over classes is a collective over *scalars per row*: the
+global max (pmax), the global sum of exponentials (psum), the target logit
+from the shard that owns it (psum), and for label smoothing the global sum of
+logits (psum) divided by the **global** C. When C does not divide by M the
+last shard is padded; padding is masked out of the max, the sums, the
+smoothing and the predictions. Reductions run in float32.
+
+Each replica returns losses and predictions for its own b rows only.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist.layers.weights import (
+    add_sharded_weight,
+    check_positive_int,
+    disable_jit_on_multi_device_mesh,
+    sharded_mesh_axis,
+)
+
+_NEG = -1e30
+
+
+def class_axis(logical_axis: str = "classes"):
+    """The mesh axis (size > 1) the logical axis is split over, or None."""
+    mesh = collectives.current_mesh()
+    axis = mesh.mesh_axis(logical_axis)
+    return axis if mesh.axis_size(axis) > 1 else None
+
+
+def _own_rows(x, axis):
+    """This replica's rows of a batch gathered over `axis` ([b*M, ...] -> [b, ...])."""
+    size = collectives.axis_size(axis)
+    if size == 1:
+        return x
+    rows = tf.shape(x)[0] // size
+    return x[collectives.axis_index(axis) * rows:(collectives.axis_index(axis) + 1) * rows]
+
+
+def _shard_stats(logits, num_classes, axis):
+    """Masked float32 logits, validity mask, class offset and global log-sum-exp."""
+    logits = tf.cast(logits, "float32")
+    local = logits.shape[-1]
+    offset = collectives.axis_index(axis) * local
+    valid = (offset + tf.range(local)) < num_classes  # [C_l]
+    masked = tf.where(valid, logits, _NEG)
+    row_max = collectives.pmax(tf.reduce_max(masked, axis=-1), axis)  # [rows]
+    sum_exp = collectives.psum(
+        tf.reduce_sum(tf.exp(masked - row_max[:, None]) * tf.cast(valid, "float32"), -1), axis)
+    lse = tf.math.log(sum_exp) + row_max  # [rows]
+    return masked, valid, offset, lse
+
+
+def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0):
+    """Per-example softmax cross-entropy from logit shards.
+
+    Args:
+        labels: int class ids `[b]` of this replica's rows.
+        logits: this device's logit shard `[b*M, C_l]` (rows gathered over `axis`).
+        num_classes: the global C.
+        axis: the mesh axis the classes are split over (None: one shard).
+        label_smoothing: epsilon; targets are `(1 - eps) * one_hot + eps / C`.
+
+    Returns:
+        `[b]` float32 losses for this replica's rows.
+    """
+    labels = tf.cast(tf.reshape(labels, [-1]), "int32")
+    all_labels = collectives.all_gather(labels, axis, dim=0)  # [b*M]
+    masked, valid, offset, lse = _shard_stats(logits, num_classes, axis)
+    local_label = all_labels - offset
+    owned = tf.logical_and(local_label >= 0, local_label < masked.shape[-1])
+    picked = tf.reduce_sum(
+        tf.one_hot(tf.where(owned, local_label, 0), masked.shape[-1]) * masked, axis=-1)
+    target = collectives.psum(tf.where(owned, picked, 0.0), axis)  # [b*M]
+    loss = lse - target
+    if label_smoothing:
+        total = collectives.psum(tf.reduce_sum(tf.where(valid, masked, 0.0), axis=-1), axis)
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - total / num_classes)
+    return _own_rows(loss, axis)
+
+
+def sharded_top_k(logits, k, num_classes, axis):
+    """Global top-k class ids and probabilities without gathering the logits.
+
+    Each device takes its local top-k; the k*M candidates per row are gathered
+    (ids and logits only) and merged.
+
+    Returns:
+        `(ids [b, k] int32, probabilities [b, k] float32)` for this replica's rows.
+    """
+    masked, _, offset, lse = _shard_stats(logits, num_classes, axis)
+    k_local = min(k, masked.shape[-1])
+    values, ids = tf.math.top_k(masked, k=k_local)  # [rows, k_local]
+    values = collectives.all_gather(values, axis, dim=-1)  # [rows, k_local*M]
+    ids = collectives.all_gather(ids + offset, axis, dim=-1)
+    best, where = tf.math.top_k(values, k=k)
+    ids = tf.gather(ids, where, batch_dims=1)
+    probs = tf.exp(best - lse[:, None])
+    return _own_rows(ids, axis), _own_rows(probs, axis)
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ShardedSoftmax(keras.layers.Layer):
+    """A classifier head whose kernel `[d_model, classes]` is split over classes.
+
+    Returns logits only as shards: `[batch * M, ceil(C / M)]` per device under a
+    mesh that splits `classes` (or `vocab`, per `kernel_axes`), `[batch, C]`
+    elsewhere. Train it with `ShardedSparseCategoricalCrossentropy`, measure it
+    with `ShardedTopKAccuracy`, predict with `ShardedTopK`.
+
+    Args:
+        num_classes: C (need not divide by the mesh axis; the last shard is padded).
+        kernel_axes: logical axes of the kernel, `("d_model", "classes")` or
+            `("d_model", "vocab")` for a language model.
+        use_bias: whether to add a bias.
+        kernel_initializer, bias_initializer: Keras initializers.
+
+    Example:
+
+    ```python
+    strategy = MeshStrategy("data:1;model:4", "classes:model")
+    with strategy.scope():
+        x = inputs = keras.Input((256,))
+        logits = ShardedSoftmax(1_000_000, name="head")(x)    # 250,000 per device
+        model = keras.Model(inputs, logits)
+        model.compile("adam", ShardedSparseCategoricalCrossentropy(1_000_000),
+                      metrics=[ShardedTopKAccuracy(1_000_000, k=5)])
+    ```
+    """
+
+    def __init__(self, num_classes, kernel_axes=("d_model", "classes"), use_bias=True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        self.kernel_axes = tuple(kernel_axes)
+        if len(self.kernel_axes) != 2 or self.kernel_axes[1] not in ("classes", "vocab"):
+            raise ValueError(
+                f"`kernel_axes` must be (input_axis, 'classes' or 'vocab'). "
+                f"Received: kernel_axes={kernel_axes!r}"
+            )
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.weight_layouts = {}
+        disable_jit_on_multi_device_mesh(self)
+
+    def build(self, input_shape):
+        self.kernel = add_sharded_weight(
+            self, "kernel", (int(input_shape[-1]), self.num_classes), self.kernel_axes,
+            pad=True, initializer=self.kernel_initializer)
+        self._axis = sharded_mesh_axis(self.weight_layouts["kernel"], 1)
+        self.bias = None
+        if self.use_bias:
+            self.bias = add_sharded_weight(
+                self, "bias", (self.num_classes,), (self.kernel_axes[1],), pad=True,
+                initializer=self.bias_initializer)
+
+    def call(self, inputs):
+        x = collectives.all_gather(tf.convert_to_tensor(inputs), self._axis, dim=0)  # [b*M, d]
+        logits = tf.matmul(x, self.kernel)  # [b*M, C_l]
+        if self.bias is not None:
+            logits = logits + self.bias
+        return logits
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.num_classes,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_classes=self.num_classes,
+            kernel_axes=list(self.kernel_axes),
+            use_bias=self.use_bias,
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+            bias_initializer=keras.initializers.serialize(self.bias_initializer),
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ShardedSparseCategoricalCrossentropy(keras.losses.Loss):
+    """Softmax cross-entropy on `ShardedSoftmax` logit shards, integer labels.
+
+    Args:
+        num_classes: the global C.
+        label_smoothing: epsilon, applied over the global C classes.
+        class_axis: the logical axis the classes are declared on.
+    """
+
+    def __init__(self, num_classes, label_smoothing=0.0, class_axis="classes",
+                 name="sharded_sparse_categorical_crossentropy", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"`label_smoothing` must be in [0, 1). Received: {label_smoothing!r}")
+        self.label_smoothing = float(label_smoothing)
+        self.class_axis = class_axis
+
+    def call(self, y_true, y_pred):
+        return sharded_cross_entropy(y_true, y_pred, self.num_classes,
+                                     class_axis(self.class_axis), self.label_smoothing)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_classes=self.num_classes, label_smoothing=self.label_smoothing,
+                      class_axis=self.class_axis)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ShardedTopKAccuracy(keras.metrics.Mean):
+    """Fraction of rows whose label is among the top-k classes of the logit shards."""
+
+    def __init__(self, num_classes, k=1, class_axis="classes", name=None, **kwargs):
+        super().__init__(name=name or f"top{k}_accuracy", **kwargs)
+        self.num_classes, self.k, self.class_axis = num_classes, k, class_axis
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        ids, _ = sharded_top_k(y_pred, self.k, self.num_classes, class_axis(self.class_axis))
+        labels = tf.cast(tf.reshape(y_true, [-1, 1]), ids.dtype)
+        hit = tf.reduce_any(tf.equal(ids, labels), axis=-1)
+        return super().update_state(tf.cast(hit, self.dtype), sample_weight=sample_weight)
+
+    def get_config(self):
+        return dict(num_classes=self.num_classes, k=self.k, class_axis=self.class_axis,
+                    name=self.name)
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ShardedTopK(keras.layers.Layer):
+    """Top-k class ids and probabilities from `ShardedSoftmax` logit shards.
+
+    Output: `(ids [batch, k], probabilities [batch, k])` for each replica's own rows.
+    """
+
+    def __init__(self, num_classes, k=5, class_axis="classes", **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        self.k = check_positive_int("k", k)
+        self.class_axis = class_axis
+        disable_jit_on_multi_device_mesh(self)
+
+    def call(self, logits):
+        return sharded_top_k(logits, self.k, self.num_classes, class_axis(self.class_axis))
+
+    def compute_output_spec(self, logits):
+        batch = logits.shape[0]
+        return (keras.KerasTensor((batch, self.k), dtype="int32"),
+                keras.KerasTensor((batch, self.k), dtype="float32"))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_classes=self.num_classes, k=self.k, class_axis=self.class_axis)
+        return config
