@@ -1,0 +1,116 @@
+"""Extreme-classification head: equivalence with Keras, top-k, no [batch, C] tensor."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.layers import (
+    ShardedSoftmax,
+    ShardedSparseCategoricalCrossentropy,
+    ShardedTopK,
+    ShardedTopKAccuracy,
+)
+from tfdist.strategies import MeshStrategy
+from tfdist.testing.equivalence import assert_equivalent
+from tfdist.testing.reference import SmoothedSparseCrossentropy
+
+BATCH, D = 24, 8
+
+
+def _data(num_classes, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, D)).astype("float32"),
+            rng.integers(0, num_classes, size=(n,)).astype("int32"))
+
+
+def _builder(num_classes):
+    def build():
+        inputs = keras.Input((D,))
+        h = keras.layers.Dense(D, activation="tanh", name="body")(inputs)
+        return keras.Model(inputs, ShardedSoftmax(num_classes, name="head")(h))
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "mesh, num_classes",
+    [("data:1;model:1", 1001), ("data:1;model:2", 1000), ("data:1;model:2", 1001),
+     ("data:1;model:4", 1001), ("data:2;model:2", 10), ("data:1;model:3", 1000),
+     ("data:1;model:3", 1001)],
+)
+def test_matches_keras_dense_softmax_with_label_smoothing(mesh, num_classes):
+    x, y = _data(num_classes, 20 * BATCH)
+    report = assert_equivalent(
+        _builder(num_classes), MeshStrategy(mesh, "batch:data;classes:model"), x, y,
+        loss=ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=0.1),
+        reference_loss=SmoothedSparseCrossentropy(num_classes, label_smoothing=0.1),
+        optimizer=lambda: keras.optimizers.Adam(0.01), batch_size=BATCH, steps=20,
+        compare_outputs=False, rtol=1e-5)
+    print(f"XC {mesh} C={num_classes}: {report}")
+
+
+@pytest.mark.parametrize("mesh", ["data:1;model:3", "data:2;model:2"])
+def test_sharded_top_k_matches_global_top_k(mesh):
+    num_classes, k = 1001, 5
+    x, _ = _data(num_classes, BATCH, seed=1)
+    keras.utils.set_random_seed(0)
+    reference = _builder(num_classes)()
+    logits = reference.predict(x, verbose=0)
+    probs = tf.nn.softmax(logits).numpy()
+    strategy = MeshStrategy(mesh, "batch:data;classes:model")
+    with strategy.scope():
+        trunk = _builder(num_classes)()
+        ids, p = ShardedTopK(num_classes, k=k)(trunk.output)
+        model = keras.Model(trunk.input, [ids, p])
+    model.set_weights(reference.get_weights())
+    got_ids, got_probs = model.predict(x, batch_size=BATCH, verbose=0)
+    expected_ids = np.argsort(-logits, axis=-1)[:, :k]
+    np.testing.assert_array_equal(got_ids, expected_ids)
+    np.testing.assert_allclose(got_probs, np.take_along_axis(probs, expected_ids, -1), rtol=1e-5)
+
+
+def test_top_k_accuracy_metric_and_padding_never_predicted():
+    num_classes = 1001
+    x, y = _data(num_classes, BATCH)
+    strategy = MeshStrategy("data:1;model:4", "classes:model")
+    with strategy.scope():
+        model = _builder(num_classes)()
+        head = model.get_layer("head")
+        model.compile(loss=ShardedSparseCategoricalCrossentropy(num_classes),
+                      metrics=[ShardedTopKAccuracy(num_classes, k=1),
+                               ShardedTopKAccuracy(num_classes, k=5)])
+    kernel = head.kernel.numpy()
+    # Make the padded columns' would-be logits huge if they were not masked.
+    bias = np.zeros(num_classes, "float32")
+    bias[y[0]] = 50.0
+    head.bias.assign(bias)
+    results = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert results["top5_accuracy"] >= results["top1_accuracy"] >= 1 / BATCH
+    assert kernel.shape == (D, num_classes)
+    assert [tuple(c.shape) for c in head.kernel.value.values] == [(D, 251)] * 4
+
+
+def test_no_device_holds_a_batch_by_classes_tensor():
+    num_classes = 1000  # 250 per device on model:4
+    x, y = _data(num_classes, BATCH)
+    strategy = MeshStrategy("data:1;model:4", "classes:model")
+    with strategy.scope():
+        model = _builder(num_classes)()
+    loss_fn = ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=0.1)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+
+    @tf.function
+    def step(batch):
+        def replica_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            return tape.gradient(loss, [v.value for v in model.trainable_variables])
+
+        return strategy.run(replica_fn, args=batch)
+
+    graph = step.get_concrete_function(next(iter(dataset))).graph
+    big = [(op.name, t.shape) for op in graph.get_operations() for t in op.outputs
+           if t.shape.rank and any(d is not None and d >= num_classes for d in t.shape)]
+    assert big == [], big[:5]
