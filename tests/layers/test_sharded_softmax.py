@@ -114,3 +114,39 @@ def test_no_device_holds_a_batch_by_classes_tensor():
     big = [(op.name, t.shape) for op in graph.get_operations() for t in op.outputs
            if t.shape.rank and any(d is not None and d >= num_classes for d in t.shape)]
     assert big == [], big[:5]
+
+
+def test_tied_embedding_shares_the_table_and_matches_single_device():
+    from tfdist.layers import ShardedEmbedding
+
+    vocab, length = 16, 4
+
+    def build():
+        ids = keras.Input((length,), dtype="int32")
+        embed = ShardedEmbedding(vocab, D, name="embed")
+        h = embed(ids)  # [b, L, D]
+        h = keras.layers.Reshape((length * D,))(h)
+        h = keras.layers.Dense(D, name="mix")(h)
+        logits = ShardedSoftmax(vocab, ("d_model", "vocab"), use_bias=False,
+                                tied_embedding=embed, name="head")(h)
+        return keras.Model(ids, logits)
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, size=(10 * BATCH, length)).astype("int32")
+    y = x[:, 0]
+    strategy = MeshStrategy("data:2;model:2", "batch:data;vocab:model")
+    with strategy.scope():
+        model = build()
+    assert len(model.weights) == 3  # table, mix kernel, mix bias: no separate head kernel
+
+    # Reference: the same computation on one device (tfdist layers off-mesh).
+    keras.utils.set_random_seed(0)
+    reference = build()
+    model.set_weights(reference.get_weights())
+    for m in (model, reference):
+        with (strategy.scope() if m is model else tf.distribute.get_strategy().scope()):
+            m.compile(keras.optimizers.Adam(0.01), ShardedSparseCategoricalCrossentropy(
+                vocab, class_axis="vocab"))
+        m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

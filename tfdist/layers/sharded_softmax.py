@@ -123,6 +123,10 @@ class ShardedSoftmax(keras.layers.Layer):
             `("d_model", "vocab")` for a language model.
         use_bias: whether to add a bias.
         kernel_initializer, bias_initializer: Keras initializers.
+        tied_embedding: a `ShardedEmbedding` whose table `[vocab, d_model]`
+            serves as the (transposed) kernel: tied input/output embeddings.
+            Its vocabulary must equal `num_classes`; it is split like the
+            classes (rule `vocab:...`, with `kernel_axes=("d_model", "vocab")`).
 
     Example:
 
@@ -138,8 +142,15 @@ class ShardedSoftmax(keras.layers.Layer):
     """
 
     def __init__(self, num_classes, kernel_axes=("d_model", "classes"), use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 tied_embedding=None, **kwargs):
         super().__init__(**kwargs)
+        if tied_embedding is not None and tied_embedding.input_dim != num_classes:
+            raise ValueError(
+                f"The tied embedding has a vocabulary of {tied_embedding.input_dim}, "
+                f"but num_classes={num_classes}."
+            )
+        self.tied_embedding = tied_embedding
         self.num_classes = check_positive_int("num_classes", num_classes)
         self.kernel_axes = tuple(kernel_axes)
         if len(self.kernel_axes) != 2 or self.kernel_axes[1] not in ("classes", "vocab"):
@@ -154,10 +165,16 @@ class ShardedSoftmax(keras.layers.Layer):
         disable_jit_on_multi_device_mesh(self)
 
     def build(self, input_shape):
-        self.kernel = add_sharded_weight(
-            self, "kernel", (int(input_shape[-1]), self.num_classes), self.kernel_axes,
-            pad=True, initializer=self.kernel_initializer)
-        self._axis = sharded_mesh_axis(self.weight_layouts["kernel"], 1)
+        if self.tied_embedding is not None:
+            if not self.tied_embedding.built:
+                self.tied_embedding.build(None)
+            self.kernel = None
+            self._axis = self.tied_embedding._vocab_axis
+        else:
+            self.kernel = add_sharded_weight(
+                self, "kernel", (int(input_shape[-1]), self.num_classes), self.kernel_axes,
+                pad=True, initializer=self.kernel_initializer)
+            self._axis = sharded_mesh_axis(self.weight_layouts["kernel"], 1)
         self.bias = None
         if self.use_bias:
             self.bias = add_sharded_weight(
@@ -166,7 +183,10 @@ class ShardedSoftmax(keras.layers.Layer):
 
     def call(self, inputs):
         x = collectives.all_gather(tf.convert_to_tensor(inputs), self._axis, dim=0)  # [b*M, d]
-        logits = tf.matmul(x, self.kernel)  # [b*M, C_l]
+        if self.kernel is None:  # tied: the embedding's table shard [C_l, d]
+            logits = tf.matmul(x, self.tied_embedding.embeddings, transpose_b=True)
+        else:
+            logits = tf.matmul(x, self.kernel)  # [b*M, C_l]
         if self.bias is not None:
             logits = logits + self.bias
         return logits
