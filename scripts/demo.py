@@ -23,7 +23,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, TrainConfig  # noqa: E402
-from tfdist.mesh import LayoutRules, MeshShape  # noqa: E402
+from flag_utils import validate_mesh_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -36,19 +36,8 @@ def define_flags():
     flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
     flags.DEFINE_integer("seed", 0, "Seed of data and initial weights.")
     flags.DEFINE_string("model_dir", None, "If set, write config.json and a global checkpoint here.")
-    flags.register_validator("mesh_shape", _parses(MeshShape.parse), "")
-    flags.register_validator("layout", _parses(LayoutRules.parse), "")
+    validate_mesh_flags()
 
-
-def _parses(parse):
-    def check(value):
-        try:
-            parse(value)
-        except ValueError as e:
-            raise flags.ValidationError(str(e)) from None
-        return True
-
-    return check
 
 
 def config_from_flags() -> TrainConfig:

@@ -5,6 +5,7 @@ single clear `ValueError` naming the bad value, before TensorFlow starts.
 """
 
 import dataclasses
+import os
 
 from tfdist.mesh import Mesh
 
@@ -73,4 +74,55 @@ class TrainConfig:
                     f"{name}={getattr(self, name)} does not divide by mesh axis "
                     f"{axis!r} of size {size} (layout rule '{logical}:{axis}')."
                 )
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class XCConfig:
+    """An extreme-classification run (scripts/train_xc.py).
+
+    Args:
+        mesh: where it runs; the rule for `classes` splits the head.
+        num_classes: C.
+        d_model: feature size (synthetic data) or hidden size (files).
+        batch_size: global batch; must divide by the number of devices.
+        steps: optimizer steps.
+        learning_rate: Adam learning rate.
+        label_smoothing: epsilon over the global C.
+        train_file, test_file: XMC/libsvm files; synthetic data when unset.
+        eval_examples: held-out examples for top-1/top-5.
+        seed: data and initial weights.
+    """
+
+    mesh: MeshConfig = MeshConfig("data:1;model:2", "batch:data;classes:model")
+    num_classes: int = 1_000_000
+    d_model: int = 256
+    batch_size: int = 256
+    steps: int = 100
+    learning_rate: float = 1e-2
+    label_smoothing: float = 0.0
+    train_file: str = ""
+    test_file: str = ""
+    eval_examples: int = 2048
+    seed: int = 0
+
+    def validate(self) -> "XCConfig":
+        mesh = self.mesh.mesh()
+        for name in ("num_classes", "d_model", "batch_size", "steps", "eval_examples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
+        if self.batch_size % mesh.size:
+            raise ValueError(
+                f"batch_size={self.batch_size} does not divide by the {mesh.size} "
+                f"devices of mesh {mesh.shape}; use a multiple of {mesh.size}."
+            )
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1); received {self.label_smoothing!r}.")
+        for name in ("train_file", "test_file"):
+            path = getattr(self, name)
+            if path and not os.path.exists(path):
+                raise ValueError(f"{name}={path!r} does not exist.")
+        if bool(self.train_file) != bool(self.test_file):
+            raise ValueError("Give both train_file and test_file, or neither (synthetic data).")
         return self

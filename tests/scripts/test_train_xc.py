@@ -1,0 +1,82 @@
+"""scripts/train_xc.py: synthetic and XMC-file runs, and clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfdist.data.xc import prototypes, read_xmc, synthetic_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "train_xc.py")
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_synthetic_run_learns_and_writes_config_checkpoint_logs(tmp_path):
+    result = _run("--num_classes=2000", "--d_model=32", "--steps=40", "--batch_size=64",
+                  "--mesh_shape=data:1;model:2", f"--model_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "head kernel (32, 2000) -> (32, 1000) per device" in result.stdout
+    line = next(l for l in result.stdout.splitlines() if l.startswith("held-out"))
+    top1 = float(line.split()[2].rstrip(","))
+    assert top1 > 0.3  # chance is 1/2000
+    assert json.load(open(tmp_path / "config.json"))["num_classes"] == 2000
+    assert (tmp_path / "model.npz").exists() and os.listdir(tmp_path / "logs")
+
+
+def test_xmc_file_run(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, n in (("train.txt", 64), ("test.txt", 32)):
+        with open(tmp_path / name, "w") as f:
+            f.write(f"{n} 6 5\n")
+            for _ in range(n):
+                label = rng.integers(0, 5)
+                f.write(f"{label},{(label + 1) % 5} {label}:1.0 5:{rng.random():.3f}\n")
+    result = _run("--num_classes=5", "--steps=30", "--batch_size=16", "--learning_rate=0.1",
+                  f"--train_file={tmp_path / 'train.txt'}", f"--test_file={tmp_path / 'test.txt'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("held-out"))
+    assert float(line.split()[2].rstrip(",")) > 0.9
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--train_file=/nonexistent/train.txt", "--test_file=/nonexistent/test.txt"],
+         "train_file='/nonexistent/train.txt' does not exist"),
+        (["--batch_size=7"], "batch_size=7 does not divide by the 2 devices"),
+        (["--mesh_shape=data:1;model"], "Malformed mesh shape pair 'model'"),
+    ],
+)
+def test_bad_flags_give_one_clear_error(flags, fragment):
+    result = _run(*flags, timeout=120)
+    assert result.returncode != 0
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def test_read_xmc_and_errors(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("2 4 3\n0,2 0:1.5 3:2\n1 1:-1\n")
+    x, y = read_xmc(str(path))
+    np.testing.assert_array_equal(x, [[1.5, 0, 0, 2], [0, -1, 0, 0]])
+    np.testing.assert_array_equal(y, [0, 1])
+    path.write_text("0 1:x\n")
+    with pytest.raises(ValueError, match=r"data.txt:1: malformed line"):
+        read_xmc(str(path))
+    with pytest.raises(FileNotFoundError, match="No XMC/libsvm file"):
+        read_xmc(str(tmp_path / "missing.txt"))
+
+
+def test_synthetic_data_is_deterministic_per_class():
+    np.testing.assert_array_equal(prototypes([5, 7], 8), prototypes([5, 7], 8))
+    x, y = synthetic_batch(np.random.default_rng(0), 256, 1_000_000, 16)
+    assert x.shape == (256, 16) and y.min() >= 0 and y.max() < 1_000_000
+    assert len(np.unique(y)) < 256  # Zipf: frequent classes repeat
