@@ -22,6 +22,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/mesh_strategy.py
 	$(PY) bench/moe.py
+	$(PY) bench/xc_softmax.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
