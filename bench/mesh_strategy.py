@@ -34,6 +34,7 @@ from absl import logging  # noqa: E402
 
 from tfdist.layers import ShardedDense  # noqa: E402
 from tfdist.strategies import MeshStrategy  # noqa: E402
+from tfdist.testing.memory import device_bytes  # noqa: E402
 
 D_MODEL, D_FF, BATCH = 256, 2048, 64
 MESHES = ["data:1;model:1", "data:2;model:1", "data:1;model:2", "data:1;model:4", "data:2;model:2"]
@@ -48,14 +49,6 @@ def build():
     return keras.Model(inp, x)
 
 
-def device0_bytes(model):
-    total = 0
-    for v in list(model.weights) + list(model.optimizer.variables):
-        component = getattr(v.value, "values", (v.value,))[0]
-        total += component.shape.num_elements() * component.dtype.size
-    return total
-
-
 def measure(strategy, steps, x, y):
     with strategy.scope():
         model = build()
@@ -64,7 +57,7 @@ def measure(strategy, steps, x, y):
     start = time.perf_counter()
     model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
     seconds = time.perf_counter() - start
-    return device0_bytes(model), steps / seconds
+    return device_bytes(model), steps / seconds
 
 
 def main():

@@ -32,6 +32,7 @@ from absl import logging  # noqa: E402
 from tfdist.data.xc import synthetic_batch  # noqa: E402
 from tfdist.layers import ShardedSoftmax, ShardedSparseCategoricalCrossentropy  # noqa: E402
 from tfdist.strategies import MeshStrategy  # noqa: E402
+from tfdist.testing.memory import device_bytes  # noqa: E402
 
 D, BATCH = 256, 256
 
@@ -52,13 +53,9 @@ def run(kind, num_classes, mesh, x, y, steps):
     start = time.perf_counter()
     model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
     speed = steps / (time.perf_counter() - start)
-    weights = 0
-    for v in list(model.weights) + list(model.optimizer.variables):
-        component = getattr(v.value, "values", (v.value,))[0]
-        weights += component.shape.num_elements() * 4
     m = strategy.num_replicas_in_sync if strategy else 1
-    logits = BATCH * -(-num_classes // m) * 4  # [batch*M/M... per device: gathered rows x C/M]
-    return weights + logits, speed
+    logits = BATCH * -(-num_classes // m) * 4  # per device: [batch/M * M rows, C/M] float32
+    return device_bytes(model) + logits, speed
 
 
 def main():

@@ -1,24 +1,13 @@
 """The demo script runs end to end, and bad flags give one clear error."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO = os.path.join(ROOT, "scripts", "demo.py")
-
-
-def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, DEMO, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-
 
 @pytest.mark.slow
-def test_demo_trains_on_a_2x2_mesh_and_matches_one_device(tmp_path):
-    result = _run("--steps=10", "--batch_size=16", f"--model_dir={tmp_path}")
+def test_demo_trains_on_a_2x2_mesh_and_matches_one_device(run_script, tmp_path):
+    result = run_script("demo.py", "--steps=10", "--batch_size=16", f"--model_dir={tmp_path}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ffn1_in/kernel: global (32, 128) -> (32, 64) per device (split over model)" in result.stdout
     line = next(l for l in result.stdout.splitlines() if l.startswith("max relative difference"))
@@ -38,8 +27,8 @@ def test_demo_trains_on_a_2x2_mesh_and_matches_one_device(tmp_path):
          "vocab_size=64 does not divide by mesh axis 'model' of size 3"),
     ],
 )
-def test_bad_flags_exit_with_one_clear_error(flag, fragment):
-    result = _run(*flag.split(), timeout=120)
+def test_bad_flags_exit_with_one_clear_error(run_script, flag, fragment):
+    result = run_script("demo.py", *flag.split(), timeout=120)
     assert result.returncode != 0
     assert fragment in result.stderr
     assert "Traceback" not in result.stderr

@@ -2,26 +2,17 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from tfdist.data.xc import prototypes, read_xmc, synthetic_batch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "train_xc.py")
-
-
-def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.slow
-def test_synthetic_run_learns_and_writes_config_checkpoint_logs(tmp_path):
-    result = _run("--num_classes=2000", "--d_model=32", "--steps=40", "--batch_size=64",
+def test_synthetic_run_learns_and_writes_config_checkpoint_logs(run_script, tmp_path):
+    result = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40", "--batch_size=64",
                   "--mesh_shape=data:1;model:2", f"--model_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "head kernel (32, 2000) -> (32, 1000) per device" in result.stdout
@@ -32,7 +23,7 @@ def test_synthetic_run_learns_and_writes_config_checkpoint_logs(tmp_path):
     assert (tmp_path / "model.npz").exists() and os.listdir(tmp_path / "logs")
 
 
-def test_xmc_file_run(tmp_path):
+def test_xmc_file_run(run_script, tmp_path):
     rng = np.random.default_rng(0)
     for name, n in (("train.txt", 64), ("test.txt", 32)):
         with open(tmp_path / name, "w") as f:
@@ -40,7 +31,7 @@ def test_xmc_file_run(tmp_path):
             for _ in range(n):
                 label = rng.integers(0, 5)
                 f.write(f"{label},{(label + 1) % 5} {label}:1.0 5:{rng.random():.3f}\n")
-    result = _run("--num_classes=5", "--steps=30", "--batch_size=16", "--learning_rate=0.1",
+    result = run_script("train_xc.py", "--num_classes=5", "--steps=30", "--batch_size=16", "--learning_rate=0.1",
                   f"--train_file={tmp_path / 'train.txt'}", f"--test_file={tmp_path / 'test.txt'}")
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("held-out"))
@@ -56,8 +47,8 @@ def test_xmc_file_run(tmp_path):
         (["--mesh_shape=data:1;model"], "Malformed mesh shape pair 'model'"),
     ],
 )
-def test_bad_flags_give_one_clear_error(flags, fragment):
-    result = _run(*flags, timeout=120)
+def test_bad_flags_give_one_clear_error(run_script, flags, fragment):
+    result = run_script("train_xc.py", *flags, timeout=120)
     assert result.returncode != 0
     assert fragment in result.stderr and "Traceback" not in result.stderr
 
