@@ -94,3 +94,30 @@ def test_padded_sharded_variable_hides_its_padding():
     layer.w.assign(full + 1)
     np.testing.assert_array_equal(var.values[3].numpy(), [[7, 0], [14, 0]])
     np.testing.assert_array_equal(layer.w.numpy(), full + 1)
+
+
+def test_marked_shard_gradients_skip_the_global_all_reduce():
+    strategy = MeshStrategy("data:2;model:2", "d_ff:model")
+    with strategy.scope():
+        block = _Block()
+        block.build(None)
+    var = block.w.value  # [4, 8] split over model: (4, 4) per device
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            scale = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.convert_to_tensor(var) * scale)
+            grad = tape.gradient(loss, var)
+            tied = grad * 1.0  # loses the mark: reduced over all replicas
+            return ctx.all_reduce("SUM", [grad, tied])
+
+        return strategy.run(replica_fn)
+
+    marked, unmarked = step()
+    for i, (m, u) in enumerate(zip(strategy.experimental_local_results(marked),
+                                   strategy.experimental_local_results(unmarked))):
+        np.testing.assert_allclose(m.numpy(), np.full((4, 4), i + 1.0))  # untouched
+        np.testing.assert_allclose(u.numpy(), np.full((4, 4), 10.0))  # 1 + 2 + 3 + 4

@@ -15,16 +15,19 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
 2. In a replica, the weight reads as its local shard; the layer computes on it
    and calls named-axis collectives (`tfdist.collectives`).
 3. Keras's optimizer all-reduces *every* gradient over all replicas
-   (`_batch_reduce_to`). We let it, but remember, for each reduced output, the
-   unreduced per-replica inputs.
+   (`_batch_reduce_to`). A sharded weight's read in a replica passes through an
+   identity whose gradient function marks the gradient it produces; marked
+   gradients skip the global all-reduce. Every other value is reduced, and we
+   remember, for each reduced output, the unreduced per-replica inputs.
 4. In `_update(var, ...)` a sharded weight looks its gradient up in that
    record and sums the *unreduced* shard gradients over only the replicas that
    hold the same shard. A sharded weight whose gradient was reduced elsewhere
    (so the record lacks it) raises rather than training wrong.
 
 Because the record is keyed by the all-reduce outputs, everything Keras does
-before the all-reduce (loss scaling, tied weights summing two reads) keeps
-working. The cost is one wasted global reduction of sharded gradients.
+before the all-reduce that loses the mark (loss scaling, tied weights summing
+two reads) still trains right; those gradients just pay for one unneeded
+global reduction.
 """
 
 import numpy as np
@@ -100,7 +103,10 @@ class ShardedVariable(values.MirroredVariable):
         return tf.identity(self._get())
 
     def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        return tf.convert_to_tensor(self._get(), dtype=dtype, name=name)
+        value = tf.convert_to_tensor(self._get(), dtype=dtype, name=name)
+        if distribute_lib.get_update_replica_id() is None and self._local_replica_id() is not None:
+            value = self._distribute_strategy.extended.mark_shard_read(value)
+        return value
 
     def __array__(self, dtype=None):
         # Without this, numpy conversion (Keras saving) is delegated to the
@@ -187,6 +193,7 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         self._record_graph = None
         self._reduced = {}
         self._foreign = set()
+        self._marked = set()
 
     # -- execution ---------------------------------------------------------
 
@@ -270,20 +277,62 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
             self._record_graph = graph
             self._reduced = {}
             self._foreign = set()
+            self._marked = set()
         return self._reduced
 
+    def mark_shard_read(self, value):
+        """Identity on a shard's read whose gradient is marked as a shard gradient."""
+        if tf.executing_eagerly():
+            return value
+
+        @tf.custom_gradient
+        def read(x):
+            def grad(dy):
+                dy = tf.identity(dy)
+                self._current_record()
+                self._marked.add(dy.ref())
+                return dy
+
+            return tf.identity(x), grad
+
+        return read(value)
+
+    def _is_marked(self, value) -> bool:
+        """Whether every component forwards (through identities) a marked gradient."""
+        if not isinstance(value, values.PerReplica):
+            return False
+        self._current_record()
+        return all(self._forwards_marked(c) for c in value.values)
+
+    def _forwards_marked(self, t) -> bool:
+        while True:
+            if hasattr(t, "ref") and not tf.executing_eagerly() and t.ref() in self._marked:
+                return True
+            op = getattr(t, "op", None) if not tf.executing_eagerly() else None
+            if op is None or op.type not in ("Identity", "IdentityN"):
+                return False
+            t = op.inputs[t.value_index if op.type == "IdentityN" else 0]
+
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        results = super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        marked = [self._is_marked(v) for v, _ in value_destination_pairs]
+        others = [p for p, m in zip(value_destination_pairs, marked) if not m]
+        reduced_others = iter(
+            super()._batch_reduce_to(reduce_op, others, options) if others else []
+        )
+        # Shard gradients pass through unreduced; `_update` reduces them per shard group.
+        results = [v if m else next(reduced_others)
+                   for (v, _), m in zip(value_destination_pairs, marked)]
         reduced = self._current_record()
         for (value, _), result in zip(value_destination_pairs, results):
             if not isinstance(value, values.PerReplica) or not isinstance(
                 result, values.DistributedValues
             ):
                 continue
+            entry = (reduce_op, value)
             for component in result.values:
                 src = _source_or_none(component)
                 if src is not None:
-                    reduced[src.ref()] = (reduce_op, value)
+                    reduced[src.ref()] = entry
         return results
 
     def _reduce_to(self, reduce_op, value, destinations, options):
