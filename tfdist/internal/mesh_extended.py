@@ -62,10 +62,6 @@ class ShardedVariable(values.MirroredVariable):
     def layout(self) -> TensorLayout:
         return self._tfdist_layout
 
-    @property
-    def global_shape(self) -> tf.TensorShape:
-        return tf.TensorShape(self._tfdist_layout.shape)
-
     def _local_replica_id(self):
         """This strategy's replica (or update) id, or None for a global read.
 
@@ -88,13 +84,6 @@ class ShardedVariable(values.MirroredVariable):
 
     def _get_cross_replica(self):
         return assemble_global(self._tfdist_layout, [v.read_value() for v in self._values])
-
-    def _shards_of(self, value):
-        """Splits a global value (padded with zeros where the layout pads)."""
-        layout = self._tfdist_layout
-        if layout.is_padded:
-            value = tf.pad(value, [[0, p - n] for n, p in zip(layout.shape, layout.padded_shape)])
-        return [value[layout.shard_slices(i)] for i in range(len(self._values))]
 
     def value(self):
         return self._get()
@@ -121,7 +110,7 @@ class ShardedVariable(values.MirroredVariable):
                 f"variable {self.name!r} of global shape {self._tfdist_layout.shape}."
             )
         updates = []
-        for component, shard in zip(self._values, self._shards_of(value)):
+        for component, shard in zip(self._values, split_global(self._tfdist_layout, value)):
             with tf.device(component.device):
                 updates.append(update_fn(component, shard, **kwargs))
         if all(isinstance(u, tf.Variable) for u in updates):
@@ -165,18 +154,28 @@ def assemble_global(layout: TensorLayout, shards):
     return full
 
 
-def _source(t):
-    """Follows Identity/IdentityN ops back to the tensor they forward."""
-    while getattr(t, "op", None) is not None and t.op.type in ("Identity", "IdentityN"):
+def split_global(layout: TensorLayout, value):
+    """Splits a global value into per-device shards (zero-padded where the layout pads)."""
+    if layout.is_padded:
+        value = tf.pad(value, [[0, p - n] for n, p in zip(layout.shape, layout.padded_shape)])
+    return [value[layout.shard_slices(i)] for i in range(layout.mesh_shape.size)]
+
+
+def _identity_chain(t):
+    """`t` and each tensor it forwards through Identity/IdentityN ops; [] in eager mode."""
+    if tf.executing_eagerly() or not hasattr(t, "op"):
+        return []
+    chain = [t]
+    while t.op.type in ("Identity", "IdentityN"):
         t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
-    return t
+        chain.append(t)
+    return chain
 
 
 def _source_or_none(t):
-    try:
-        return _source(t)
-    except AttributeError:  # EagerTensor.op raises in eager mode.
-        return None
+    """The tensor `t` forwards through identities, or None in eager mode."""
+    chain = _identity_chain(t)
+    return chain[-1] if chain else None
 
 
 class MeshExtended(mirrored_strategy.MirroredExtended):
@@ -255,14 +254,13 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
                 f"sharded variable {kwargs.get('name')!r} does not match its "
                 f"layout {layout}."
             )
-        if layout.is_padded:
-            with tf.init_scope(), tf.device(self._devices[0]):
-                value = tf.pad(value, [[0, p - n] for n, p in zip(layout.shape, layout.padded_shape)])
+        with tf.init_scope(), tf.device(self._devices[0]):
+            shards = split_global(layout, value)
         components = []
         for i, device in enumerate(self._devices):
             with tf.device(device), record.stop_recording():
                 shard_kwargs = dict(kwargs)
-                shard_kwargs["initial_value"] = tf.identity(value[layout.shard_slices(i)])
+                shard_kwargs["initial_value"] = tf.identity(shards[i])
                 if i > 0:
                     base = components[0].name.split(":")[0]
                     shard_kwargs["name"] = f"{base}/replica_{i}/"
@@ -302,16 +300,9 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         if not isinstance(value, values.PerReplica):
             return False
         self._current_record()
-        return all(self._forwards_marked(c) for c in value.values)
-
-    def _forwards_marked(self, t) -> bool:
-        while True:
-            if hasattr(t, "ref") and not tf.executing_eagerly() and t.ref() in self._marked:
-                return True
-            op = getattr(t, "op", None) if not tf.executing_eagerly() else None
-            if op is None or op.type not in ("Identity", "IdentityN"):
-                return False
-            t = op.inputs[t.value_index if op.type == "IdentityN" else 0]
+        return all(
+            any(t.ref() in self._marked for t in _identity_chain(c)) for c in value.values
+        )
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         marked = [self._is_marked(v) for v, _ in value_destination_pairs]
