@@ -36,6 +36,9 @@ def define_flags():
     flags.DEFINE_integer("steps", defaults.steps, "Optimizer steps.")
     flags.DEFINE_float("learning_rate", defaults.learning_rate, "Adam learning rate.")
     flags.DEFINE_float("label_smoothing", defaults.label_smoothing, "Label smoothing over all C.")
+    flags.DEFINE_float("sample_rate", defaults.sample_rate,
+                       "Class-centre sampling (Partial FC) for training: fraction of each "
+                       "shard's classes in the softmax, positives always kept; 1 = all.")
     flags.DEFINE_string("train_file", "", "XMC/libsvm training file (default: synthetic).")
     flags.DEFINE_string("test_file", "", "XMC/libsvm held-out file.")
     flags.DEFINE_integer("eval_examples", defaults.eval_examples, "Synthetic held-out examples.")
@@ -53,7 +56,7 @@ def main(argv):
             mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), num_classes=FLAGS.num_classes,
             d_model=FLAGS.d_model, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
             learning_rate=FLAGS.learning_rate, label_smoothing=FLAGS.label_smoothing,
-            train_file=FLAGS.train_file, test_file=FLAGS.test_file,
+            sample_rate=FLAGS.sample_rate, train_file=FLAGS.train_file, test_file=FLAGS.test_file,
             eval_examples=FLAGS.eval_examples, seed=FLAGS.seed).validate()
     except ValueError as e:
         raise app.UsageError(str(e)) from None
@@ -92,21 +95,30 @@ def main(argv):
     strategy = MeshStrategy(mesh)
     with strategy.scope():
         inputs = keras.Input((x.shape[1],))
-        logits = ShardedSoftmax(C, kernel_initializer="zeros", name="head")(inputs)
-        model = keras.Model(inputs, logits)
-        model.compile(keras.optimizers.Adam(config.learning_rate),
+        head = ShardedSoftmax(C, kernel_initializer="zeros", sample_rate=config.sample_rate,
+                              name="head")
+        model = keras.Model(inputs, head(inputs))
+        train_model = model
+        if config.sample_rate < 1:  # the sampled head needs the labels to keep positives
+            labels = keras.Input((), dtype="int32")
+            train_model = keras.Model([inputs, labels], head(inputs, labels=labels))
+        for m in {id(model): model, id(train_model): train_model}.values():
+            m.compile(keras.optimizers.Adam(config.learning_rate),
                       ShardedSparseCategoricalCrossentropy(C, config.label_smoothing),
                       metrics=[ShardedTopKAccuracy(C, k=1), ShardedTopKAccuracy(C, k=5)])
     layout = model.get_layer("head").weight_layouts["kernel"]
     print(f"train_xc: {C:,} classes on {mesh}; head kernel {layout.shape} -> "
-          f"{layout.local_shape} per device")
+          f"{layout.local_shape} per device"
+          + (f"; training samples {config.sample_rate:g} of each shard's classes"
+             if config.sample_rate < 1 else ""))
     callbacks = []
     if FLAGS.model_dir:
         os.makedirs(FLAGS.model_dir, exist_ok=True)
         with open(os.path.join(FLAGS.model_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=2)
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(FLAGS.model_dir, "logs")))
-    model.fit(x, y, batch_size=config.batch_size, shuffle=False, verbose=2, callbacks=callbacks)
+    train_x = (x, y) if config.sample_rate < 1 else x
+    train_model.fit(train_x, y, batch_size=config.batch_size, shuffle=False, verbose=2, callbacks=callbacks)
     result = model.evaluate(x_test, y_test, batch_size=config.batch_size, verbose=0, return_dict=True)
     print(f"held-out top-1 {result['top1_accuracy']:.3f}, top-5 {result['top5_accuracy']:.3f} "
           f"(loss {result['loss']:.3f}, {eval_n} examples)")

@@ -89,6 +89,7 @@ class XCConfig:
         steps: optimizer steps.
         learning_rate: Adam learning rate.
         label_smoothing: epsilon over the global C.
+        sample_rate: class-centre sampling for training (Partial FC); 1.0 = all classes.
         train_file, test_file: XMC/libsvm files; synthetic data when unset.
         eval_examples: held-out examples for top-1/top-5.
         seed: data and initial weights.
@@ -101,6 +102,7 @@ class XCConfig:
     steps: int = 100
     learning_rate: float = 1e-2
     label_smoothing: float = 0.0
+    sample_rate: float = 1.0
     train_file: str = ""
     test_file: str = ""
     eval_examples: int = 2048
@@ -119,6 +121,8 @@ class XCConfig:
             )
         if not 0 <= self.label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1); received {self.label_smoothing!r}.")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1]; received {self.sample_rate!r}.")
         for name in ("train_file", "test_file"):
             path = getattr(self, name)
             if path and not os.path.exists(path):

@@ -33,12 +33,13 @@ def _builder(num_classes):
     return build
 
 
-@pytest.mark.parametrize(
-    "mesh, num_classes",
-    [("data:1;model:1", 1001), ("data:1;model:2", 1000), ("data:1;model:2", 1001),
-     ("data:1;model:4", 1001), ("data:2;model:2", 10), ("data:1;model:3", 1000),
-     ("data:1;model:3", 1001)],
-)
+# Every mesh of the issue with C dividing (1000 on 1, 2, 4), not dividing (1001, and
+# 1000 on 3) and smaller than the padded shards (10 on 4: 3 columns each, 2 padding).
+MESHES = ["data:1;model:1", "data:1;model:2", "data:1;model:4", "data:2;model:2", "data:1;model:3"]
+GRID = [(mesh, c) for mesh in MESHES for c in (10, 1000, 1001)]
+
+
+@pytest.mark.parametrize("mesh, num_classes", GRID)
 def test_matches_keras_dense_softmax_with_label_smoothing(mesh, num_classes):
     x, y = _data(num_classes, 20 * BATCH)
     report = assert_equivalent(
@@ -50,9 +51,9 @@ def test_matches_keras_dense_softmax_with_label_smoothing(mesh, num_classes):
     print(f"XC {mesh} C={num_classes}: {report}")
 
 
-@pytest.mark.parametrize("mesh", ["data:1;model:3", "data:2;model:2"])
-def test_sharded_top_k_matches_global_top_k(mesh):
-    num_classes, k = 1001, 5
+@pytest.mark.parametrize("mesh, num_classes", GRID)
+def test_sharded_top_k_matches_global_top_k(mesh, num_classes):
+    k = 5
     x, _ = _data(num_classes, BATCH, seed=1)
     keras.utils.set_random_seed(0)
     reference = _builder(num_classes)()
@@ -150,3 +151,70 @@ def test_tied_embedding_shares_the_table_and_matches_single_device():
         m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh, num_classes", [("data:1;model:1", 1001), ("data:1;model:3", 1001),
+                                               ("data:2;model:2", 1000)])
+def test_class_centre_sampling_keeps_positives_and_is_the_softmax_over_the_sample(mesh, num_classes):
+    rate, smoothing = 0.05, 0.1
+    x, y = _data(num_classes, BATCH, seed=2)
+    strategy = MeshStrategy(mesh, "batch:data;classes:model")
+    with strategy.scope():
+        head = ShardedSoftmax(num_classes, sample_rate=rate, name="head")
+        head(x[:1])
+    loss_fn = ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=smoothing,
+                                                   reduction=None)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+
+    @tf.function
+    def step(batch):
+        def replica_fn(xb, yb):
+            logits = head(xb, labels=yb, training=True)
+            return logits, loss_fn(yb, logits)
+
+        return strategy.run(replica_fn, args=batch)
+
+    logits, losses = (strategy.experimental_local_results(t) for t in step(next(iter(dataset))))
+    full = x @ head.kernel.numpy() + head.bias.numpy()  # [BATCH, C], global
+    shape = strategy.mesh.shape
+    m, local = shape.axis_size("model"), -(-num_classes // shape.axis_size("model"))
+    rows = BATCH // shape.axis_size("data")  # rows per data group (the gathered rows)
+    for replica in range(shape.size):
+        coords = shape.coordinates(replica)
+        kept = np.isfinite(logits[replica].numpy())
+        assert (kept == kept[0]).all()  # one sample per shard, shared by all its rows
+        ids = coords["model"] * local + np.nonzero(kept[0])[0]
+        group_rows = slice(coords["data"] * rows, (coords["data"] + 1) * rows)
+        real = min(local, num_classes - coords["model"] * local)
+        positives = {c for c in y[group_rows] if coords["model"] * local <= c < coords["model"] * local + local}
+        assert positives <= set(ids) and ids.max() < num_classes
+        assert len(ids) == max(int(np.ceil(rate * real)), len(positives))
+        np.testing.assert_allclose(logits[replica].numpy()[:, kept[0]], full[group_rows][:, ids],
+                                   rtol=1e-5, atol=1e-6)
+    # The loss of each row is the smoothed softmax cross-entropy over the union of the
+    # shards' samples of its data group.
+    for replica in range(shape.size):
+        coords = shape.coordinates(replica)
+        group = [r for r in range(shape.size) if shape.coordinates(r)["data"] == coords["data"]]
+        sample = np.concatenate([shape.coordinates(r)["model"] * local +
+                                 np.nonzero(np.isfinite(logits[r].numpy()[0]))[0] for r in group])
+        own = slice((coords["data"] * m + coords["model"]) * (BATCH // shape.size),
+                    (coords["data"] * m + coords["model"] + 1) * (BATCH // shape.size))
+        z = full[own][:, sample]
+        lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+        target = np.take_along_axis(z, np.searchsorted(sample, y[own])[:, None], -1)[:, 0]
+        expected = (1 - smoothing) * (lse - target) + smoothing * (lse - z.mean(-1))
+        np.testing.assert_allclose(losses[replica].numpy(), expected, rtol=1e-5)
+
+
+def test_sampling_applies_to_training_with_labels_only():
+    num_classes = 50
+    x, y = _data(num_classes, 4)
+    head = ShardedSoftmax(num_classes, sample_rate=0.1)
+    assert np.isfinite(head(x).numpy()).all()
+    assert np.isfinite(head(x, labels=y).numpy()).all()  # training=None: inference
+    assert not np.isfinite(head(x, labels=y, training=True).numpy()).all()
+    assert ShardedSoftmax.from_config(head.get_config()).sample_rate == 0.1
+    with pytest.raises(ValueError, match=r"`sample_rate` must be in \(0, 1\]. Received: sample_rate=0"):
+        ShardedSoftmax(num_classes, sample_rate=0)

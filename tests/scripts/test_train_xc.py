@@ -11,7 +11,7 @@ from tfdist.data.xc import prototypes, read_xmc, synthetic_batch
 
 
 @pytest.mark.slow
-def test_synthetic_run_learns_and_writes_config_checkpoint_logs(run_script, tmp_path):
+def test_synthetic_run_learns_writes_outputs_and_sampling_converges(run_script, tmp_path):
     result = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40", "--batch_size=64",
                   "--mesh_shape=data:1;model:2", f"--model_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -21,6 +21,16 @@ def test_synthetic_run_learns_and_writes_config_checkpoint_logs(run_script, tmp_
     assert top1 > 0.3  # chance is 1/2000
     assert json.load(open(tmp_path / "config.json"))["num_classes"] == 2000
     assert (tmp_path / "model.npz").exists() and os.listdir(tmp_path / "logs")
+
+    # Class-centre sampling (10% of each shard's classes) lands within a few points.
+    sampled = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40",
+                         "--batch_size=64", "--mesh_shape=data:1;model:2", "--sample_rate=0.1")
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert "training samples 0.1 of each shard's classes" in sampled.stdout
+    line = next(l for l in sampled.stdout.splitlines() if l.startswith("held-out"))
+    sampled_top1 = float(line.split()[2].rstrip(","))
+    print(f"held-out top-1: full softmax {top1:.3f}, sample_rate 0.1 {sampled_top1:.3f}")
+    assert abs(sampled_top1 - top1) < 0.05
 
 
 def test_xmc_file_run(run_script, tmp_path):
@@ -44,6 +54,7 @@ def test_xmc_file_run(run_script, tmp_path):
         (["--train_file=/nonexistent/train.txt", "--test_file=/nonexistent/test.txt"],
          "train_file='/nonexistent/train.txt' does not exist"),
         (["--batch_size=7"], "batch_size=7 does not divide by the 2 devices"),
+        (["--sample_rate=1.5"], "sample_rate must be in (0, 1]; received 1.5"),
         (["--mesh_shape=data:1;model"], "Malformed mesh shape pair 'model'"),
     ],
 )

@@ -286,7 +286,9 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         @tf.custom_gradient
         def read(x):
             def grad(dy):
-                dy = tf.identity(dy)
+                # Dense, also after a gather: sparse (lazy) Adam moments would
+                # differ from the single-device reference.
+                dy = tf.identity(tf.convert_to_tensor(dy))
                 self._current_record()
                 self._marked.add(dy.ref())
                 return dy

@@ -13,6 +13,12 @@ logits (psum) divided by the **global** C. When C does not divide by M the
 last shard is padded; padding is masked out of the max, the sums, the
 smoothing and the predictions. Reductions run in float32.
 
+Class-centre sampling (Partial FC, `sample_rate < 1`, training only): each
+shard keeps every class that is a label of the gathered batch plus random
+negatives up to `ceil(sample_rate * C_l)`, multiplies by those kernel columns
+only, and returns the other columns as -inf. The loss treats -inf columns like
+padding, so the softmax runs over the sampled classes of every shard.
+
 Each replica returns losses and predictions for its own b rows only.
 """
 
@@ -47,15 +53,19 @@ def _own_rows(x, axis):
 
 
 def _shard_stats(logits, num_classes, axis):
-    """Masked float32 logits, validity mask, class offset and global log-sum-exp."""
+    """Masked float32 logits, validity mask, class offset and global log-sum-exp.
+
+    A column is valid when it is a real class (not padding) and its logit is
+    not -inf (a class that class-centre sampling left out).
+    """
     logits = tf.cast(logits, "float32")
     local = logits.shape[-1]
     offset = collectives.axis_index(axis) * local
-    valid = (offset + tf.range(local)) < num_classes  # [C_l]
+    valid = tf.logical_and((offset + tf.range(local)) < num_classes, logits > _NEG)  # [rows, C_l]
     masked = tf.where(valid, logits, _NEG)
     row_max = collectives.pmax(tf.reduce_max(masked, axis=-1), axis)  # [rows]
     sum_exp = collectives.psum(
-        tf.reduce_sum(tf.exp(masked - row_max[:, None]) * tf.cast(valid, "float32"), -1), axis)
+        tf.reduce_sum(tf.where(valid, tf.exp(masked - row_max[:, None]), 0.0), -1), axis)
     lse = tf.math.log(sum_exp) + row_max  # [rows]
     return masked, valid, offset, lse
 
@@ -68,7 +78,8 @@ def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0
         logits: this device's logit shard `[b*M, C_l]` (rows gathered over `axis`).
         num_classes: the global C.
         axis: the mesh axis the classes are split over (None: one shard).
-        label_smoothing: epsilon; targets are `(1 - eps) * one_hot + eps / C`.
+        label_smoothing: epsilon; targets are `(1 - eps) * one_hot + eps / C`
+            (C counts the sampled classes under class-centre sampling).
 
     Returns:
         `[b]` float32 losses for this replica's rows.
@@ -83,9 +94,39 @@ def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0
     target = collectives.psum(tf.where(owned, picked, 0.0), axis)  # [b*M]
     loss = lse - target
     if label_smoothing:
-        total = collectives.psum(tf.reduce_sum(tf.where(valid, masked, 0.0), axis=-1), axis)
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - total / num_classes)
+        sums = tf.stack([tf.reduce_sum(tf.where(valid, masked, 0.0), axis=-1),
+                         tf.reduce_sum(tf.cast(valid, "float32"), axis=-1)], axis=-1)
+        total, count = tf.unstack(collectives.psum(sums, axis), axis=-1)  # count = C unsampled
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - total / count)
     return _own_rows(loss, axis)
+
+
+def sample_classes(all_labels, offset, local, num_classes, sample_rate):
+    """Partial FC class-centre sampling on one shard of `local` columns.
+
+    Args:
+        all_labels: int32 labels of every row the shard sees (gathered batch).
+        offset: global id of the shard's first column.
+        local: columns per shard, C_l (the last shard may hold padding).
+        num_classes: the global C.
+        sample_rate: fraction of the shard's real classes to keep.
+
+    Returns:
+        int32 column indices, sorted: every positive class (a label of
+        `all_labels` in this shard) plus uniformly drawn negatives, in all
+        `max(ceil(sample_rate * real), positives)` columns.
+    """
+    local_label = all_labels - offset
+    in_shard = tf.logical_and(local_label >= 0, local_label < local)
+    positive = tf.scatter_nd(tf.where(in_shard, local_label, 0)[:, None],
+                             tf.cast(in_shard, "int32"), [local]) > 0  # [C_l]
+    real = (offset + tf.range(local)) < num_classes
+    num_real = tf.reduce_sum(tf.cast(real, "int32"))
+    keep = tf.cast(tf.math.ceil(sample_rate * tf.cast(num_real, "float32")), "int32")
+    keep = tf.minimum(tf.maximum(keep, tf.reduce_sum(tf.cast(positive, "int32"))), num_real)
+    score = tf.where(positive, 2.0, tf.where(real, tf.random.uniform([local]), -1.0))
+    _, ids = tf.math.top_k(score, k=keep)
+    return tf.sort(ids)
 
 
 def sharded_top_k(logits, k, num_classes, axis):
@@ -127,6 +168,12 @@ class ShardedSoftmax(keras.layers.Layer):
             serves as the (transposed) kernel: tied input/output embeddings.
             Its vocabulary must equal `num_classes`; it is split like the
             classes (rule `vocab:...`, with `kernel_axes=("d_model", "vocab")`).
+        sample_rate: class-centre sampling (Partial FC) for training: in
+            `call(x, labels=y, training=True)` each shard computes logits for
+            the batch's positive classes plus random negatives, about
+            `sample_rate` of its classes, and returns -inf for the rest.
+            1.0 (default) computes every class. Evaluation and prediction
+            (`training=False` or no labels) always use every class.
 
     Example:
 
@@ -143,7 +190,7 @@ class ShardedSoftmax(keras.layers.Layer):
 
     def __init__(self, num_classes, kernel_axes=("d_model", "classes"), use_bias=True,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 tied_embedding=None, **kwargs):
+                 tied_embedding=None, sample_rate=1.0, **kwargs):
         super().__init__(**kwargs)
         if tied_embedding is not None and tied_embedding.input_dim != num_classes:
             raise ValueError(
@@ -158,11 +205,16 @@ class ShardedSoftmax(keras.layers.Layer):
                 f"`kernel_axes` must be (input_axis, 'classes' or 'vocab'). "
                 f"Received: kernel_axes={kernel_axes!r}"
             )
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"`sample_rate` must be in (0, 1]. Received: sample_rate={sample_rate!r}")
+        self.sample_rate = float(sample_rate)
         self.use_bias = bool(use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
+        if self.sample_rate < 1:
+            self.supports_jit = False  # the sampled column count is data-dependent
 
     def build(self, input_shape):
         if self.tied_embedding is not None:
@@ -181,8 +233,10 @@ class ShardedSoftmax(keras.layers.Layer):
                 self, "bias", (self.num_classes,), (self.kernel_axes[1],), pad=True,
                 initializer=self.bias_initializer)
 
-    def call(self, inputs):
+    def call(self, inputs, labels=None, training=None):
         x = collectives.all_gather(tf.convert_to_tensor(inputs), self._axis, dim=0)  # [b*M, d]
+        if training and labels is not None and self.sample_rate < 1:
+            return self._sampled_logits(x, labels)
         if self.kernel is None:  # tied: the embedding's table shard [C_l, d]
             logits = tf.matmul(x, self.tied_embedding.embeddings, transpose_b=True)
         else:
@@ -190,6 +244,26 @@ class ShardedSoftmax(keras.layers.Layer):
         if self.bias is not None:
             logits = logits + self.bias
         return logits
+
+    def _sampled_logits(self, x, labels):
+        """`[b*M, C_l]` logits of the sampled columns, -inf elsewhere."""
+        if self.kernel is None:
+            kernel = tf.transpose(tf.convert_to_tensor(self.tied_embedding.embeddings))
+        else:
+            kernel = tf.convert_to_tensor(self.kernel)  # a dense read: dense gradients
+        local = kernel.shape[-1]
+        labels = collectives.all_gather(tf.cast(tf.reshape(labels, [-1]), "int32"), self._axis)
+        offset = collectives.axis_index(self._axis) * local
+        ids = sample_classes(labels, offset, local, self.num_classes, self.sample_rate)
+        logits = tf.matmul(x, tf.gather(kernel, ids, axis=1))  # [b*M, kept]
+        if self.bias is not None:
+            # Gathered on axis 1 so its gradient is dense, as for the kernel.
+            logits = logits + tf.gather(tf.convert_to_tensor(self.bias)[None], ids, axis=1)
+        # Column j of the shard is column where[j] of [logits | -inf].
+        kept = tf.shape(ids)[0]
+        where = tf.tensor_scatter_nd_update(tf.fill([local], kept), ids[:, None], tf.range(kept))
+        pad = tf.fill([tf.shape(logits)[0], 1], tf.constant(float("-inf"), logits.dtype))
+        return tf.gather(tf.concat([logits, pad], axis=1), where, axis=1)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.num_classes,)
@@ -202,6 +276,7 @@ class ShardedSoftmax(keras.layers.Layer):
             use_bias=self.use_bias,
             kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
+            sample_rate=self.sample_rate,
         )
         return config
 
