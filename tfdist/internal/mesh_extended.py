@@ -182,11 +182,16 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
     """MirroredExtended whose variables may be shards; see the module docstring."""
 
     def __init__(self, container_strategy, mesh, devices, engine):
+        # MirroredExtended refuses devices of several tasks in eager mode; a
+        # single controller driving remote workers (like TPUStrategy) is what
+        # tfdist's mesh over workers is, so initialise on the first device and
+        # then on all of them.
         super().__init__(
             container_strategy,
-            devices=devices,
+            devices=devices[:1],
             cross_device_ops=cross_device_ops_lib.ReductionToOneDevice(),
         )
+        self._initialize_strategy(devices)
         self.mesh = mesh
         self.engine = engine
         self._record_graph = None

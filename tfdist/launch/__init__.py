@@ -1,0 +1,1 @@
+"""Launching jobs: local loopback tasks, cluster commands."""
