@@ -178,7 +178,8 @@ class ClusterConfig:
         # mesh devices; the controller's program is a separate client of the
         # cluster (job "localhost"), as a TPUStrategy program is of its TPUs.
         config = tf.compat.v1.ConfigProto(
-            intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
+            intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads,
+            device_count={"CPU": devices_per_worker})
         tf.distribute.Server(self.cluster_spec(), job_name=self.task_type,
                              task_index=self.task_index, config=config, start=True)
         if not self.is_controller:

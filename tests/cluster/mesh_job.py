@@ -1,0 +1,63 @@
+"""A job for tests/cluster: equivalence of a mesh over worker processes.
+
+Run in every task (python -m tfdist.launch ... -- tests/cluster/mesh_job.py
+MESH); the controller builds MeshStrategy(MESH) over the devices of all tasks,
+trains the token MLP (ShardedDense, ShardedEmbedding) and the XC head against
+their single-device references and prints one report line per model. With
+--steps_forever it trains until killed (for the fault tests).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tfdist.cluster import ClusterConfig  # noqa: E402
+
+devices = ClusterConfig.from_env().start()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfdist.layers import ShardedSoftmax, ShardedSparseCategoricalCrossentropy  # noqa: E402
+from tfdist.models import build_token_mlp, make_copy_task  # noqa: E402
+from tfdist.strategies import MeshStrategy  # noqa: E402
+from tfdist.testing.equivalence import assert_equivalent  # noqa: E402
+from tfdist.testing.reference import SmoothedSparseCrossentropy  # noqa: E402
+
+mesh = sys.argv[1]
+strategy = MeshStrategy(mesh, "batch:data;d_ff:model;vocab:model;classes:model", devices=devices)
+print(f"mesh {mesh} over {sorted({d.split('/device')[0] for d in devices})}", flush=True)
+
+if "--steps_forever" in sys.argv:
+    x, y = make_copy_task(16 * 1000)
+    with strategy.scope():
+        model = build_token_mlp()
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    print("training", flush=True)
+    model.fit(x, y, batch_size=16, epochs=100, verbose=0)
+    sys.exit(0)
+
+x, y = make_copy_task(10 * 16)
+report = assert_equivalent(
+    build_token_mlp, strategy, x, y,
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    optimizer=lambda: keras.optimizers.Adam(0.01), batch_size=16, steps=10, rtol=1e-5)
+print(f"token_mlp {mesh}: {report}", flush=True)
+
+C = 1001
+rng = np.random.default_rng(0)
+xc, yc = rng.normal(size=(10 * 16, 8)).astype("float32"), rng.integers(0, C, 10 * 16).astype("int32")
+
+
+def head():
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, ShardedSoftmax(C, name="head")(inputs))
+
+
+report = assert_equivalent(
+    head, strategy, xc, yc, loss=ShardedSparseCategoricalCrossentropy(C, label_smoothing=0.1),
+    reference_loss=SmoothedSparseCrossentropy(C, label_smoothing=0.1),
+    optimizer=lambda: keras.optimizers.Adam(0.01), batch_size=16, steps=10,
+    compare_outputs=False, rtol=1e-5)
+print(f"xc_head {mesh}: {report}", flush=True)
