@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from tfdist.strategies.averaging import ModelAveragingStrategy
 from tfdist.strategies.mesh_strategy import MeshStrategy
 
 
@@ -24,6 +25,10 @@ def _mesh(mesh_shape="data:1", layout=None, devices=None, **options):
     return MeshStrategy(mesh_shape, layout, devices=devices, **options)
 
 
+def _averaging(**options):
+    return ModelAveragingStrategy(**options)
+
+
 def _no_options(name, options):
     if options:
         raise ValueError(f"Strategy {name!r} takes no options {sorted(options)}.")
@@ -34,6 +39,7 @@ _FACTORIES = {
     "one_device": _one_device,
     "mirrored": _mirrored,
     "mesh": _mesh,
+    "averaging": _averaging,
 }
 
 STRATEGY_NAMES = tuple(_FACTORIES)
@@ -44,7 +50,7 @@ def get_strategy(name: str, **options):
 
     Args:
         name: one of `STRATEGY_NAMES` (`default`, `one_device`, `mirrored`,
-            `mesh`).
+            `mesh`, `averaging`).
         **options: keyword arguments of that strategy, e.g.
             `mesh_shape="data:2;model:2", layout="d_ff:model"` for `mesh`.
 

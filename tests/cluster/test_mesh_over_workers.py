@@ -1,0 +1,84 @@
+"""A mesh over worker processes on loopback: equivalence, launcher, faults."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfdist.launch.local import free_ports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = os.path.join(ROOT, "tests", "cluster", "mesh_job.py")
+
+pytestmark = pytest.mark.slow
+
+
+def launch(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tfdist.launch", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+
+@pytest.mark.parametrize("workers, devices, mesh", [(2, 1, "data:1;model:2"),
+                                                    (2, 2, "data:2;model:2")])
+def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh):
+    result = launch("--num_workers", str(workers), "--devices_per_worker", str(devices), "--",
+                    JOB, mesh)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "'/job:worker/replica:0/task:0', '/job:worker/replica:0/task:1'" in result.stdout
+    for name in ("token_mlp", "xc_head"):
+        line = next(l for l in result.stdout.splitlines() if f"] {name} {mesh}:" in l)
+        print(line)
+        assert "weights after 10 steps" in line  # assert_equivalent passed in the job
+
+
+def test_launcher_ends_the_others_with_the_first_failure():
+    script = ("import json, os, sys, time\n"
+              "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+              "print('started', flush=True)\n"
+              "sys.exit(3) if i == 1 else time.sleep(120)\n")
+    start = time.monotonic()
+    result = launch("--num_workers", "2", "--", sys.executable, "-c", script, timeout=60)
+    assert result.returncode == 3
+    assert time.monotonic() - start < 30
+    assert "[worker 0] started" in result.stdout and "[worker 1] started" in result.stdout
+    assert "worker 1 exited with status 3; ending the others" in result.stdout
+
+
+def test_a_killed_worker_makes_the_controller_fail_fast_not_hang():
+    ports = free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                     "task": {"type": "worker", "index": i}}),
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        procs.append(subprocess.Popen([sys.executable, JOB, "data:1;model:2", "--steps_forever"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, cwd=ROOT))
+    controller, worker = procs
+    try:
+        lines = []
+        for line in controller.stdout:  # wait until it trains
+            lines.append(line)
+            if line.startswith("training"):
+                break
+        time.sleep(3)
+        worker.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = controller.communicate(timeout=90)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "".join(lines) + out
+    assert controller.returncode != 0, text[-2000:]
+    assert elapsed < 60, elapsed
+    assert f"localhost:{ports[1]}" in text or "worker:1" in text, text[-2000:]
+    print(f"controller failed {elapsed:.1f} s after the kill: "
+          f"{[l for l in text.splitlines() if 'lost' in l or 'Error' in l][-1:]}")

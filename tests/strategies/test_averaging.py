@@ -1,0 +1,104 @@
+"""ModelAveragingStrategy: K=1 is synchronous SGD, periodic averaging, BMUF, bytes."""
+
+import keras
+import numpy as np
+import pytest
+
+from tfdist.strategies import CommunicationBytes, ModelAveragingStrategy, get_strategy
+
+BATCH, D = 16, 8
+
+
+def _data(n_steps, out=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n_steps * BATCH, D)).astype("float32"),
+            rng.normal(size=(n_steps * BATCH, out)).astype("float32"))
+
+
+def _mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((D,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+
+def _copies(var):
+    return [c.numpy() for c in var.value.values]
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_period_one_with_sgd_is_synchronous_sgd(replicas):
+    x, y = _data(10)
+    reference = _mlp()
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    strategy = ModelAveragingStrategy(period=1, num_replicas=replicas)
+    with strategy.scope():
+        model = _mlp()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.set_weights(reference.get_weights())
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("steps, synced", [(8, True), (9, False)])
+def test_copies_diverge_between_averagings_and_agree_after(steps, synced):
+    x, y = _data(steps)
+    strategy = ModelAveragingStrategy(period=4, num_replicas=4)
+    with strategy.scope():
+        model = _mlp()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    slots = [v for v in model.optimizer.variables if "momentum" in v.path or "velocity" in v.path]
+    for var in list(model.trainable_weights) + slots:
+        copies = _copies(var)
+        spread = max(np.abs(c - copies[0]).max() for c in copies)
+        assert (spread == 0) == synced, (var.path, spread)
+    strategy.average_now(model.weights)
+    kernel = _copies(model.layers[0].kernel)
+    assert all(np.array_equal(c, kernel[0]) for c in kernel)
+
+
+@pytest.mark.parametrize("block_momentum, block_lr", [(0.0, 1.0), (0.5, 0.8)])
+def test_block_momentum_matches_a_numpy_simulation(block_momentum, block_lr):
+    replicas, period, steps, lr = 2, 3, 9, 0.05
+    x, y = _data(steps, out=1, seed=1)
+    strategy = ModelAveragingStrategy(period=period, num_replicas=replicas,
+                                      block_momentum=block_momentum, block_lr=block_lr)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1, use_bias=False)])
+        model.compile(keras.optimizers.SGD(lr), "mse")
+    w0 = model.get_weights()[0].astype("float64")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    w = [w0.copy() for _ in range(replicas)]
+    w_global, delta = w0.copy(), np.zeros_like(w0)
+    per = BATCH // replicas
+    for step in range(steps):
+        for r in range(replicas):
+            rows = slice(step * BATCH + r * per, step * BATCH + (r + 1) * per)
+            xb, yb = x[rows].astype("float64"), y[rows].astype("float64")
+            w[r] = w[r] - lr * 2 * xb.T @ (xb @ w[r] - yb) / per
+        if (step + 1) % period == 0:
+            mean = sum(w) / replicas
+            delta = block_momentum * delta + block_lr * (mean - w_global)
+            w_global = w_global + delta
+            w = [w_global + block_momentum * delta for _ in range(replicas)]
+    for r, copy in enumerate(_copies(model.layers[0].kernel)):
+        np.testing.assert_allclose(copy, w[r], rtol=1e-5, atol=1e-6)
+
+
+def test_communicated_bytes_metric_and_errors():
+    x, y = _data(4)
+    strategy = get_strategy("averaging", period=4, num_replicas=2, average_slots=False)
+    with strategy.scope():
+        model = _mlp()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[CommunicationBytes(strategy)])
+    weights = sum(w.size for w in model.get_weights()) * 4
+    # Ring all-reduce: each replica sends 2 (N-1)/N of the bytes, once per period.
+    assert history.history["comm_bytes_per_step"][-1] == pytest.approx(weights / 4)
+    for kwargs, fragment in (({"period": 0}, "period must be a positive integer; received period=0"),
+                             ({"block_momentum": 1.0}, "block_momentum must be in [0, 1)")):
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
+            ModelAveragingStrategy(num_replicas=2, **kwargs)
