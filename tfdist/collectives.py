@@ -99,9 +99,9 @@ class CollectiveEngine:
 
     def all_reduce(self, x, replica: int, group: Tuple[int, ...], merge_op: str = "Add"):
         """`merge_op` ("Add", "Max", "Min", "Mul") of `x` over the devices of `group`."""
-        if len(group) == 1:
-            return tf.identity(x)
-        with tf.device(self.devices[replica]):
+        with tf.device(self.devices[replica]):  # also the identity: no copy to device 0
+            if len(group) == 1:
+                return tf.identity(x)
             return tf.raw_ops.CollectiveReduceV2(
                 input=x,
                 merge_op=merge_op,
@@ -111,16 +111,16 @@ class CollectiveEngine:
 
     def all_gather(self, x, replica: int, group: Tuple[int, ...]):
         """Concatenation along dimension 0 of `x` from each device of `group`."""
-        if len(group) == 1:
-            return tf.identity(x)
         with tf.device(self.devices[replica]):
+            if len(group) == 1:
+                return tf.identity(x)
             return tf.raw_ops.CollectiveGatherV2(input=x, **self._common(replica, group))
 
     def all_to_all(self, x, replica: int, group: Tuple[int, ...]):
         """Splits dimension 0 into `len(group)` parts, part j to device j."""
-        if len(group) == 1:
-            return tf.identity(x)
         with tf.device(self.devices[replica]):
+            if len(group) == 1:
+                return tf.identity(x)
             return tf.raw_ops.CollectiveAllToAllV2(
                 input=x, **self._common(replica, group)
             )

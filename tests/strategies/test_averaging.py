@@ -100,5 +100,6 @@ def test_communicated_bytes_metric_and_errors():
     assert history.history["comm_bytes_per_step"][-1] == pytest.approx(weights / 4)
     for kwargs, fragment in (({"period": 0}, "period must be a positive integer; received period=0"),
                              ({"block_momentum": 1.0}, "block_momentum must be in [0, 1)")):
-        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
+        with pytest.raises(ValueError) as e:
             ModelAveragingStrategy(num_replicas=2, **kwargs)
+        assert fragment in str(e.value)

@@ -379,10 +379,10 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         out = []
         for i, local in enumerate(unreduced.values):
             group = next(g for g in groups if i in g)
-            with tf.device(self._devices[i]):
+            with tf.device(self._devices[i]):  # every op on the shard's device
                 local = tf.convert_to_tensor(local)  # IndexedSlices -> dense shard
-            summed = self.engine.all_reduce(local, i, group)
-            if reduce_op == tf.distribute.ReduceOp.MEAN:
-                summed = summed / len(group)
+                summed = self.engine.all_reduce(local, i, group)
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    summed = summed / len(group)
             out.append(summed)
         return values.PerReplica(tuple(out))
