@@ -73,9 +73,15 @@ def _shard_stats(logits, num_classes, axis):
 def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0):
     """Per-example softmax cross-entropy from logit shards.
 
+    One fused pass forward (max, exp, sum over the shard; collectives over
+    scalars per row) and a hand-written gradient, `softmax - target`, that
+    reuses the forward's exponentials: the `[b*M, C_l]` shard is read a few
+    times, never copied by autodiff's generic rules.
+
     Args:
         labels: int class ids `[b]` of this replica's rows.
-        logits: this device's logit shard `[b*M, C_l]` (rows gathered over `axis`).
+        logits: this device's logit shard `[b*M, C_l]` (rows gathered over
+            `axis`); -inf marks a class left out by class-centre sampling.
         num_classes: the global C.
         axis: the mesh axis the classes are split over (None: one shard).
         label_smoothing: epsilon; targets are `(1 - eps) * one_hot + eps / C`
@@ -86,19 +92,56 @@ def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0
     """
     labels = tf.cast(tf.reshape(labels, [-1]), "int32")
     all_labels = collectives.all_gather(labels, axis, dim=0)  # [b*M]
-    masked, valid, offset, lse = _shard_stats(logits, num_classes, axis)
+    dtype = logits.dtype
+    local = logits.shape[-1]
+    offset = collectives.axis_index(axis) * local
+    padded = local * collectives.axis_size(axis) != num_classes
     local_label = all_labels - offset
-    owned = tf.logical_and(local_label >= 0, local_label < masked.shape[-1])
-    picked = tf.reduce_sum(
-        tf.one_hot(tf.where(owned, local_label, 0), masked.shape[-1]) * masked, axis=-1)
-    target = collectives.psum(tf.where(owned, picked, 0.0), axis)  # [b*M]
-    loss = lse - target
-    if label_smoothing:
-        sums = tf.stack([tf.reduce_sum(tf.where(valid, masked, 0.0), axis=-1),
-                         tf.reduce_sum(tf.cast(valid, "float32"), axis=-1)], axis=-1)
-        total, count = tf.unstack(collectives.psum(sums, axis), axis=-1)  # count = C unsampled
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - total / count)
-    return _own_rows(loss, axis)
+    owned = tf.logical_and(local_label >= 0, local_label < local)
+    where = tf.stack([tf.range(tf.shape(all_labels)[0]), tf.where(owned, local_label, 0)], -1)
+    eps = float(label_smoothing)
+
+    @tf.custom_gradient
+    def loss_fn(z):
+        z = tf.cast(z, "float32")
+        if padded:  # mask the last shard's padding columns
+            z = z + tf.where((offset + tf.range(local)) < num_classes, 0.0, float("-inf"))
+        row_max = collectives.pmax(tf.reduce_max(z, axis=-1), axis)  # [rows]
+        e = tf.exp(z - row_max[:, None])
+        sum_exp = collectives.psum(tf.reduce_sum(e, axis=-1), axis)
+        lse = tf.math.log(sum_exp) + row_max
+        target = collectives.psum(tf.where(owned, tf.gather_nd(z, where), 0.0), axis)
+        loss = lse - target
+        if eps:
+            valid = z > _NEG
+            sums = tf.stack([tf.reduce_sum(tf.where(valid, z, 0.0), axis=-1),
+                             tf.reduce_sum(tf.cast(valid, "float32"), axis=-1)], axis=-1)
+            total, count = tf.unstack(collectives.psum(sums, axis), axis=-1)  # count = C unsampled
+            loss = (1.0 - eps) * loss + eps * (lse - total / count)
+
+        def grad(dy):
+            # dy is the upstream gradient of this replica's rows only; every
+            # shard needs it for all gathered rows: place it, sum over the axis.
+            d = dy if axis is None else collectives.psum(_place_rows(dy, axis), axis)
+            dz = e * (d / sum_exp)[:, None]
+            dz = tf.tensor_scatter_nd_sub(
+                dz, where, tf.where(owned, (1.0 - eps) * d, 0.0))
+            if eps:
+                dz = dz - tf.where(valid, (eps * d / count)[:, None], 0.0)
+            return tf.cast(dz, dtype)
+
+        return _own_rows(loss, axis), grad
+
+    return loss_fn(logits)
+
+
+def _place_rows(x, axis):
+    """`x` ([b], this replica's rows) at its slot of the gathered `[b*M]`, zeros elsewhere."""
+    size = collectives.axis_size(axis)
+    index = collectives.axis_index(axis)
+    b = tf.shape(x)[0]
+    return tf.concat([tf.zeros([index * b], x.dtype), x,
+                      tf.zeros([(size - 1 - index) * b], x.dtype)], axis=0)
 
 
 def sample_classes(all_labels, offset, local, num_classes, sample_rate):

@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from tfdist.strategies.averaging import ModelAveragingStrategy
 from tfdist.strategies.mesh_strategy import MeshStrategy
+from tfdist.strategies.multi_worker import MultiWorkerStrategy
 
 
 def _default(**options):
@@ -25,6 +26,27 @@ def _mesh(mesh_shape="data:1", layout=None, devices=None, **options):
     return MeshStrategy(mesh_shape, layout, devices=devices, **options)
 
 
+def _mesh_cluster(mesh_shape="data:1", layout=None, devices_per_worker=None, **options):
+    """A mesh over the tasks of TF_CONFIG (single controller; serves and exits elsewhere)."""
+    from tfdist.cluster import ClusterConfig
+
+    cluster = ClusterConfig.from_env()
+    if cluster is None:
+        raise ValueError("Strategy 'mesh_cluster' needs TF_CONFIG (python -m tfdist.launch sets it).")
+    devices = cluster.start(devices_per_worker)
+    return MeshStrategy(mesh_shape, layout, devices=devices, **options)
+
+
+def _multi_worker(**options):
+    return MultiWorkerStrategy(**options)
+
+
+def _tpu(**options):
+    from tfdist.launch.tpu import tpu_strategy
+
+    return tpu_strategy(**options)
+
+
 def _averaging(**options):
     return ModelAveragingStrategy(**options)
 
@@ -39,7 +61,10 @@ _FACTORIES = {
     "one_device": _one_device,
     "mirrored": _mirrored,
     "mesh": _mesh,
+    "mesh_cluster": _mesh_cluster,
+    "multi_worker": _multi_worker,
     "averaging": _averaging,
+    "tpu": _tpu,
 }
 
 STRATEGY_NAMES = tuple(_FACTORIES)
@@ -50,7 +75,7 @@ def get_strategy(name: str, **options):
 
     Args:
         name: one of `STRATEGY_NAMES` (`default`, `one_device`, `mirrored`,
-            `mesh`, `averaging`).
+            `mesh`, `mesh_cluster`, `multi_worker`, `averaging`, `tpu`).
         **options: keyword arguments of that strategy, e.g.
             `mesh_shape="data:2;model:2", layout="d_ff:model"` for `mesh`.
 

@@ -1,0 +1,73 @@
+"""A job for tests/cluster: Keras fit/evaluate/predict under multi-worker data parallelism.
+
+Run in every task with a TF_CONFIG (python -m tfdist.launch --num_workers 2 --
+tests/cluster/mw_job.py [--plain] [--backup DIR --die_at_epoch E]). Trains the
+same small model as a single-process reference on the same global batches
+and prints the largest weight difference; --plain uses
+tf.distribute.MultiWorkerMirroredStrategy itself (which Keras 3 fails under:
+keras#20585).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--plain", action="store_true")
+parser.add_argument("--backup", default="")
+parser.add_argument("--die_at_epoch", type=int, default=-1)
+parser.add_argument("--epochs", type=int, default=3)
+args = parser.parse_args()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfdist.callbacks import BackupAndRestore, is_chief  # noqa: E402
+from tfdist.strategies import MultiWorkerStrategy  # noqa: E402
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy() if args.plain else MultiWorkerStrategy()
+task = strategy.cluster_resolver.task_id
+rng = np.random.default_rng(0)
+x = rng.normal(size=(8 * 16, 8)).astype("float32")
+y = rng.integers(0, 4, size=(8 * 16,)).astype("int32")
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(4)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+class Die(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == args.die_at_epoch:
+            print(f"task {task}: dying at epoch {epoch}", flush=True)
+            os._exit(17)
+
+
+with strategy.scope():
+    model = build()
+callbacks = [Die()]
+if args.backup:
+    callbacks.append(BackupAndRestore(args.backup))
+model.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+result = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+predictions = model.predict(x, batch_size=16, verbose=0)
+
+reference = build()
+reference.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0)
+expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+diff = max(float(np.abs(a - b).max() / np.abs(b).max())
+           for a, b in zip(model.get_weights(), reference.get_weights()))
+pred_diff = float(np.abs(predictions - reference.predict(x, batch_size=16, verbose=0)).max())
+print(f"task {task} chief={is_chief(strategy)}: weights rel diff {diff:.2e}, "
+      f"predict diff {pred_diff:.2e}, predict rows {len(predictions)}, "
+      f"loss {result['loss']:.6f} vs {expected['loss']:.6f}, "
+      f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}", flush=True)
