@@ -63,7 +63,7 @@ def job(args):
             else:
                 model = keras.Model(inputs, head(inputs))
                 fit_x = x
-            loss = ShardedSparseCategoricalCrossentropy(C)
+            loss = ShardedSparseCategoricalCrossentropy(C) if rate == 1 else None  # sampled: add_loss
         model.compile(keras.optimizers.Adam(1e-3), loss)
     first = (fit_x[0][:BATCH], fit_x[1][:BATCH]) if isinstance(fit_x, tuple) else fit_x[:BATCH]
     rest = (fit_x[0][BATCH:], fit_x[1][BATCH:]) if isinstance(fit_x, tuple) else fit_x[BATCH:]

@@ -96,16 +96,17 @@ def main(argv):
     with strategy.scope():
         inputs = keras.Input((x.shape[1],))
         head = ShardedSoftmax(C, kernel_initializer="zeros", sample_rate=config.sample_rate,
-                              name="head")
+                              label_smoothing=config.label_smoothing, name="head")
         model = keras.Model(inputs, head(inputs))
         train_model = model
         if config.sample_rate < 1:  # the sampled head needs the labels to keep positives
             labels = keras.Input((), dtype="int32")
             train_model = keras.Model([inputs, labels], head(inputs, labels=labels))
-        for m in {id(model): model, id(train_model): train_model}.values():
-            m.compile(keras.optimizers.Adam(config.learning_rate),
+        model.compile(keras.optimizers.Adam(config.learning_rate),
                       ShardedSparseCategoricalCrossentropy(C, config.label_smoothing),
                       metrics=[ShardedTopKAccuracy(C, k=1), ShardedTopKAccuracy(C, k=5)])
+        if train_model is not model:  # the sampled head adds its own loss
+            train_model.compile(keras.optimizers.Adam(config.learning_rate), loss=None)
     layout = model.get_layer("head").weight_layouts["kernel"]
     print(f"train_xc: {C:,} classes on {mesh}; head kernel {layout.shape} -> "
           f"{layout.local_shape} per device"

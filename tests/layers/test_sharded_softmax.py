@@ -155,66 +155,95 @@ def test_tied_embedding_shares_the_table_and_matches_single_device():
 
 @pytest.mark.parametrize("mesh, num_classes", [("data:1;model:1", 1001), ("data:1;model:3", 1001),
                                                ("data:2;model:2", 1000)])
-def test_class_centre_sampling_keeps_positives_and_is_the_softmax_over_the_sample(mesh, num_classes):
+def test_class_centre_sampling_keeps_positives_and_is_the_softmax_over_the_sample(
+        mesh, num_classes, monkeypatch):
+    from tfdist.layers import sharded_softmax
+
     rate, smoothing = 0.05, 0.1
     x, y = _data(num_classes, BATCH, seed=2)
     strategy = MeshStrategy(mesh, "batch:data;classes:model")
     with strategy.scope():
-        head = ShardedSoftmax(num_classes, sample_rate=rate, name="head")
+        head = ShardedSoftmax(num_classes, sample_rate=rate, label_smoothing=smoothing, name="head")
         head(x[:1])
-    loss_fn = ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=smoothing,
-                                                   reduction=None)
+    sampled = []  # the ids each replica's call draws, in trace order
+    draw = sharded_softmax.sample_classes
+    monkeypatch.setattr(sharded_softmax, "sample_classes",
+                        lambda *a: sampled.append(draw(*a)) or sampled[-1])
     dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+        tf.data.Dataset.from_tensors((x, y)))
 
     @tf.function
     def step(batch):
         def replica_fn(xb, yb):
             logits = head(xb, labels=yb, training=True)
-            return logits, loss_fn(yb, logits)
+            return logits, head.losses[-1], sampled[-1]
 
         return strategy.run(replica_fn, args=batch)
 
-    logits, losses = (strategy.experimental_local_results(t) for t in step(next(iter(dataset))))
+    logits, losses, ids = (strategy.experimental_local_results(t) for t in step(next(iter(dataset))))
     full = x @ head.kernel.numpy() + head.bias.numpy()  # [BATCH, C], global
     shape = strategy.mesh.shape
-    m, local = shape.axis_size("model"), -(-num_classes // shape.axis_size("model"))
+    local = -(-num_classes // shape.axis_size("model"))
     rows = BATCH // shape.axis_size("data")  # rows per data group (the gathered rows)
+    own = BATCH // shape.size
     for replica in range(shape.size):
         coords = shape.coordinates(replica)
-        kept = np.isfinite(logits[replica].numpy())
-        assert (kept == kept[0]).all()  # one sample per shard, shared by all its rows
-        ids = coords["model"] * local + np.nonzero(kept[0])[0]
+        first = coords["model"] * local
+        kept = first + ids[replica].numpy()  # global ids of this shard's sample
         group_rows = slice(coords["data"] * rows, (coords["data"] + 1) * rows)
-        real = min(local, num_classes - coords["model"] * local)
-        positives = {c for c in y[group_rows] if coords["model"] * local <= c < coords["model"] * local + local}
-        assert positives <= set(ids) and ids.max() < num_classes
-        assert len(ids) == max(int(np.ceil(rate * real)), len(positives))
-        np.testing.assert_allclose(logits[replica].numpy()[:, kept[0]], full[group_rows][:, ids],
+        real = min(local, num_classes - first)
+        positives = {c for c in y[group_rows] if first <= c < first + local}
+        assert positives <= set(kept) and kept.max() < num_classes
+        assert len(kept) == max(int(np.ceil(rate * real)), len(positives))
+        # Compact logits: only the sampled columns were computed.
+        np.testing.assert_allclose(logits[replica].numpy(), full[group_rows][:, kept],
                                    rtol=1e-5, atol=1e-6)
-    # The loss of each row is the smoothed softmax cross-entropy over the union of the
-    # shards' samples of its data group.
-    for replica in range(shape.size):
-        coords = shape.coordinates(replica)
+        # The added loss: mean over the replica's rows of the smoothed softmax
+        # cross-entropy over the union of its data group's samples.
         group = [r for r in range(shape.size) if shape.coordinates(r)["data"] == coords["data"]]
-        sample = np.concatenate([shape.coordinates(r)["model"] * local +
-                                 np.nonzero(np.isfinite(logits[r].numpy()[0]))[0] for r in group])
-        own = slice((coords["data"] * m + coords["model"]) * (BATCH // shape.size),
-                    (coords["data"] * m + coords["model"] + 1) * (BATCH // shape.size))
-        z = full[own][:, sample]
+        sample = np.concatenate([shape.coordinates(r)["model"] * local + ids[r].numpy()
+                                 for r in group])
+        mine = slice(replica * own, (replica + 1) * own)
+        z = full[mine][:, sample]
         lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
-        target = np.take_along_axis(z, np.searchsorted(sample, y[own])[:, None], -1)[:, 0]
+        target = np.take_along_axis(z, np.searchsorted(sample, y[mine])[:, None], -1)[:, 0]
         expected = (1 - smoothing) * (lse - target) + smoothing * (lse - z.mean(-1))
-        np.testing.assert_allclose(losses[replica].numpy(), expected, rtol=1e-5)
+        np.testing.assert_allclose(losses[replica].numpy(), expected.mean(), rtol=1e-5)
+
+
+def test_sampled_training_with_every_class_kept_matches_full_softmax():
+    num_classes = 50  # sample_rate 0.999 keeps every class: the sampled path must equal the full one
+    x, y = _data(num_classes, 10 * BATCH)
+    strategy = MeshStrategy("data:2;model:2", "batch:data;classes:model")
+    models = []
+    for rate in (1.0, 0.999):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            inputs, labels = keras.Input((D,)), keras.Input((), dtype="int32")
+            h = keras.layers.Dense(D, activation="tanh", name="body")(inputs)
+            head = ShardedSoftmax(num_classes, sample_rate=rate, label_smoothing=0.1, name="head")
+            if rate == 1.0:
+                model = keras.Model(inputs, head(h))
+                model.compile(keras.optimizers.Adam(0.01),
+                              ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=0.1))
+                model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            else:
+                model = keras.Model([inputs, labels], head(h, labels=labels))
+                model.compile(keras.optimizers.Adam(0.01), loss=None)
+                model.fit((x, y), y, batch_size=BATCH, shuffle=False, verbose=0)
+        models.append(model)
+    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_sampling_applies_to_training_with_labels_only():
     num_classes = 50
     x, y = _data(num_classes, 4)
     head = ShardedSoftmax(num_classes, sample_rate=0.1)
-    assert np.isfinite(head(x).numpy()).all()
-    assert np.isfinite(head(x, labels=y).numpy()).all()  # training=None: inference
-    assert not np.isfinite(head(x, labels=y, training=True).numpy()).all()
+    assert head(x).shape == (4, num_classes) and not head.losses
+    assert head(x, labels=y).shape == (4, num_classes)  # training=None: inference
+    sampled = head(x, labels=y, training=True)
+    assert sampled.shape[1] < num_classes and len(head.losses) == 1
     assert ShardedSoftmax.from_config(head.get_config()).sample_rate == 0.1
     with pytest.raises(ValueError, match=r"`sample_rate` must be in \(0, 1\]. Received: sample_rate=0"):
         ShardedSoftmax(num_classes, sample_rate=0)

@@ -16,8 +16,8 @@ smoothing and the predictions. Reductions run in float32.
 Class-centre sampling (Partial FC, `sample_rate < 1`, training only): each
 shard keeps every class that is a label of the gathered batch plus random
 negatives up to `ceil(sample_rate * C_l)`, multiplies by those kernel columns
-only, and returns the other columns as -inf. The loss treats -inf columns like
-padding, so the softmax runs over the sampled classes of every shard.
+only and computes the softmax over the sampled classes of every shard on the
+compact `[b*M, kept]` logits; the head adds that loss itself (`add_loss`).
 
 Each replica returns losses and predictions for its own b rows only.
 """
@@ -53,15 +53,11 @@ def _own_rows(x, axis):
 
 
 def _shard_stats(logits, num_classes, axis):
-    """Masked float32 logits, validity mask, class offset and global log-sum-exp.
-
-    A column is valid when it is a real class (not padding) and its logit is
-    not -inf (a class that class-centre sampling left out).
-    """
+    """Masked float32 logits, validity mask, class offset and global log-sum-exp."""
     logits = tf.cast(logits, "float32")
     local = logits.shape[-1]
     offset = collectives.axis_index(axis) * local
-    valid = tf.logical_and((offset + tf.range(local)) < num_classes, logits > _NEG)  # [rows, C_l]
+    valid = (offset + tf.range(local)) < num_classes  # [C_l]: not padding
     masked = tf.where(valid, logits, _NEG)
     row_max = collectives.pmax(tf.reduce_max(masked, axis=-1), axis)  # [rows]
     sum_exp = collectives.psum(
@@ -73,39 +69,59 @@ def _shard_stats(logits, num_classes, axis):
 def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0):
     """Per-example softmax cross-entropy from logit shards.
 
-    One fused pass forward (max, exp, sum over the shard; collectives over
-    scalars per row) and a hand-written gradient, `softmax - target`, that
-    reuses the forward's exponentials: the `[b*M, C_l]` shard is read a few
-    times, never copied by autodiff's generic rules.
-
     Args:
         labels: int class ids `[b]` of this replica's rows.
-        logits: this device's logit shard `[b*M, C_l]` (rows gathered over
-            `axis`); -inf marks a class left out by class-centre sampling.
+        logits: this device's logit shard `[b*M, C_l]` (rows gathered over `axis`).
         num_classes: the global C.
         axis: the mesh axis the classes are split over (None: one shard).
-        label_smoothing: epsilon; targets are `(1 - eps) * one_hot + eps / C`
-            (C counts the sampled classes under class-centre sampling).
+        label_smoothing: epsilon; targets are `(1 - eps) * one_hot + eps / C`.
 
     Returns:
         `[b]` float32 losses for this replica's rows.
     """
     labels = tf.cast(tf.reshape(labels, [-1]), "int32")
     all_labels = collectives.all_gather(labels, axis, dim=0)  # [b*M]
-    dtype = logits.dtype
     local = logits.shape[-1]
     offset = collectives.axis_index(axis) * local
-    padded = local * collectives.axis_size(axis) != num_classes
     local_label = all_labels - offset
     owned = tf.logical_and(local_label >= 0, local_label < local)
-    where = tf.stack([tf.range(tf.shape(all_labels)[0]), tf.where(owned, local_label, 0)], -1)
+    mask = None
+    if local * collectives.axis_size(axis) != num_classes:  # the last shard's padding
+        mask = tf.where((offset + tf.range(local)) < num_classes, 0.0, float("-inf"))
+    return softmax_cross_entropy_on_shards(logits, tf.where(owned, local_label, 0), owned, axis,
+                                           label_smoothing, column_mask=mask)
+
+
+def softmax_cross_entropy_on_shards(logits, target_column, owned, axis, label_smoothing=0.0,
+                                    column_mask=None):
+    """Softmax cross-entropy over the classes of all shards of `axis`.
+
+    One fused pass forward (max, exp, sum over the shard; collectives only over
+    scalars per row) and a hand-written gradient, `softmax - target`, reusing
+    the forward's exponentials: the `[rows, n]` shard is read a few times and
+    never copied by autodiff's generic rules.
+
+    Args:
+        logits: this device's `[rows, n]` logits (rows gathered over `axis`).
+        target_column: `[rows]` column of each row's label in this shard
+            (any value where not `owned`).
+        owned: `[rows]` whether this shard holds the row's label.
+        label_smoothing: epsilon over every class of every shard (the
+            smoothing's C is the count of columns that are not masked).
+        column_mask: optional `[n]` float32, 0 for a class, -inf for padding.
+
+    Returns:
+        `[b]` float32 losses for this replica's rows.
+    """
+    dtype = logits.dtype
+    where = tf.stack([tf.range(tf.shape(logits)[0]), target_column], -1)
     eps = float(label_smoothing)
 
     @tf.custom_gradient
     def loss_fn(z):
         z = tf.cast(z, "float32")
-        if padded:  # mask the last shard's padding columns
-            z = z + tf.where((offset + tf.range(local)) < num_classes, 0.0, float("-inf"))
+        if column_mask is not None:
+            z = z + column_mask
         row_max = collectives.pmax(tf.reduce_max(z, axis=-1), axis)  # [rows]
         e = tf.exp(z - row_max[:, None])
         sum_exp = collectives.psum(tf.reduce_sum(e, axis=-1), axis)
@@ -116,7 +132,7 @@ def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0
             valid = z > _NEG
             sums = tf.stack([tf.reduce_sum(tf.where(valid, z, 0.0), axis=-1),
                              tf.reduce_sum(tf.cast(valid, "float32"), axis=-1)], axis=-1)
-            total, count = tf.unstack(collectives.psum(sums, axis), axis=-1)  # count = C unsampled
+            total, count = tf.unstack(collectives.psum(sums, axis), axis=-1)
             loss = (1.0 - eps) * loss + eps * (lse - total / count)
 
         def grad(dy):
@@ -124,8 +140,7 @@ def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0
             # shard needs it for all gathered rows: place it, sum over the axis.
             d = dy if axis is None else collectives.psum(_place_rows(dy, axis), axis)
             dz = e * (d / sum_exp)[:, None]
-            dz = tf.tensor_scatter_nd_sub(
-                dz, where, tf.where(owned, (1.0 - eps) * d, 0.0))
+            dz = tf.tensor_scatter_nd_sub(dz, where, tf.where(owned, (1.0 - eps) * d, 0.0))
             if eps:
                 dz = dz - tf.where(valid, (eps * d / count)[:, None], 0.0)
             return tf.cast(dz, dtype)
@@ -212,11 +227,13 @@ class ShardedSoftmax(keras.layers.Layer):
             Its vocabulary must equal `num_classes`; it is split like the
             classes (rule `vocab:...`, with `kernel_axes=("d_model", "vocab")`).
         sample_rate: class-centre sampling (Partial FC) for training: in
-            `call(x, labels=y, training=True)` each shard computes logits for
-            the batch's positive classes plus random negatives, about
-            `sample_rate` of its classes, and returns -inf for the rest.
-            1.0 (default) computes every class. Evaluation and prediction
-            (`training=False` or no labels) always use every class.
+            `call(x, labels=y, training=True)` each shard computes logits only
+            for the batch's positive classes plus random negatives, about
+            `sample_rate` of its classes, and adds the softmax cross-entropy
+            over those classes with `add_loss` (compile the training model with
+            `loss=None`). 1.0 (default) computes every class. Evaluation and
+            prediction (`training=False` or no labels) always use every class.
+        label_smoothing: epsilon of the sampled training loss.
 
     Example:
 
@@ -233,7 +250,7 @@ class ShardedSoftmax(keras.layers.Layer):
 
     def __init__(self, num_classes, kernel_axes=("d_model", "classes"), use_bias=True,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 tied_embedding=None, sample_rate=1.0, **kwargs):
+                 tied_embedding=None, sample_rate=1.0, label_smoothing=0.0, **kwargs):
         super().__init__(**kwargs)
         if tied_embedding is not None and tied_embedding.input_dim != num_classes:
             raise ValueError(
@@ -251,6 +268,7 @@ class ShardedSoftmax(keras.layers.Layer):
         if not 0 < sample_rate <= 1:
             raise ValueError(f"`sample_rate` must be in (0, 1]. Received: sample_rate={sample_rate!r}")
         self.sample_rate = float(sample_rate)
+        self.label_smoothing = float(label_smoothing)
         self.use_bias = bool(use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -279,7 +297,7 @@ class ShardedSoftmax(keras.layers.Layer):
     def call(self, inputs, labels=None, training=None):
         x = collectives.all_gather(tf.convert_to_tensor(inputs), self._axis, dim=0)  # [b*M, d]
         if training and labels is not None and self.sample_rate < 1:
-            return self._sampled_logits(x, labels)
+            return self._sampled_training(x, labels)
         if self.kernel is None:  # tied: the embedding's table shard [C_l, d]
             logits = tf.matmul(x, self.tied_embedding.embeddings, transpose_b=True)
         else:
@@ -288,25 +306,33 @@ class ShardedSoftmax(keras.layers.Layer):
             logits = logits + self.bias
         return logits
 
-    def _sampled_logits(self, x, labels):
-        """`[b*M, C_l]` logits of the sampled columns, -inf elsewhere."""
+    def _sampled_training(self, x, labels):
+        """Partial FC: the loss over the sampled classes, added with `add_loss`.
+
+        Returns the sampled logits `[b*M, kept]` (columns: this shard's sampled
+        classes in id order); the loss is already added, so compile the
+        training model with `loss=None`.
+        """
         if self.kernel is None:
             kernel = tf.transpose(tf.convert_to_tensor(self.tied_embedding.embeddings))
         else:
             kernel = tf.convert_to_tensor(self.kernel)  # a dense read: dense gradients
         local = kernel.shape[-1]
-        labels = collectives.all_gather(tf.cast(tf.reshape(labels, [-1]), "int32"), self._axis)
+        labels = tf.cast(tf.reshape(labels, [-1]), "int32")
+        all_labels = collectives.all_gather(labels, self._axis)
         offset = collectives.axis_index(self._axis) * local
-        ids = sample_classes(labels, offset, local, self.num_classes, self.sample_rate)
+        ids = sample_classes(all_labels, offset, local, self.num_classes, self.sample_rate)
+        # Gathered on axis 1 so their gradients are dense (non-lazy Adam).
         logits = tf.matmul(x, tf.gather(kernel, ids, axis=1))  # [b*M, kept]
         if self.bias is not None:
-            # Gathered on axis 1 so its gradient is dense, as for the kernel.
             logits = logits + tf.gather(tf.convert_to_tensor(self.bias)[None], ids, axis=1)
-        # Column j of the shard is column where[j] of [logits | -inf].
-        kept = tf.shape(ids)[0]
-        where = tf.tensor_scatter_nd_update(tf.fill([local], kept), ids[:, None], tf.range(kept))
-        pad = tf.fill([tf.shape(logits)[0], 1], tf.constant(float("-inf"), logits.dtype))
-        return tf.gather(tf.concat([logits, pad], axis=1), where, axis=1)
+        local_label = all_labels - offset
+        owned = tf.logical_and(local_label >= 0, local_label < local)
+        column = tf.searchsorted(ids[None], tf.where(owned, local_label, 0)[None])[0]
+        losses = softmax_cross_entropy_on_shards(
+            logits, tf.where(owned, column, 0), owned, self._axis, self.label_smoothing)
+        self.add_loss(tf.reduce_mean(losses))
+        return logits
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.num_classes,)
@@ -320,6 +346,7 @@ class ShardedSoftmax(keras.layers.Layer):
             kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
             sample_rate=self.sample_rate,
+            label_smoothing=self.label_smoothing,
         )
         return config
 
