@@ -1,7 +1,7 @@
 """A job for tests/cluster: Keras fit/evaluate/predict under multi-worker data parallelism.
 
 Run in every task with a TF_CONFIG (python -m tfdist.launch --num_workers 2 --
-tests/cluster/mw_job.py [--plain] [--backup DIR --die_at_epoch E]). Trains the
+tests/cluster/mw_job.py [--plain] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
 same small model as a single-process reference on the same global batches
 and prints the largest weight difference; --plain uses
 tf.distribute.MultiWorkerMirroredStrategy itself (which Keras 3 fails under:
@@ -18,6 +18,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--backup", default="")
 parser.add_argument("--die_at_epoch", type=int, default=-1)
+parser.add_argument("--die_task", type=int, default=-1, help="Only this task dies (-1: all).")
 parser.add_argument("--epochs", type=int, default=3)
 args = parser.parse_args()
 
@@ -25,6 +26,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+keras.config.disable_traceback_filtering() if os.environ.get("TRACE") else None
 from tfdist.callbacks import BackupAndRestore, is_chief  # noqa: E402
 from tfdist.strategies import MultiWorkerStrategy  # noqa: E402
 
@@ -47,7 +49,7 @@ def build():
 
 class Die(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
-        if epoch == args.die_at_epoch:
+        if epoch == args.die_at_epoch and args.die_task in (-1, task):
             print(f"task {task}: dying at epoch {epoch}", flush=True)
             os._exit(17)
 
