@@ -20,3 +20,67 @@ def validate_mesh_flags(mesh_flag: str = "mesh_shape", layout_flag: str = "layou
     """Rejects a malformed mesh shape or layout at flag parsing, with the parser's message."""
     flags.register_validator(mesh_flag, _parses(MeshShape.parse), "")
     flags.register_validator(layout_flag, _parses(LayoutRules.parse), "")
+
+
+def define_cluster_flags() -> None:
+    """--strategy, --communication, --worker_hosts, --task_index, --devices_per_worker."""
+    flags.DEFINE_enum("strategy", "mesh", ["mesh", "multi_worker"],
+                      "mesh: the mesh over this machine's devices, or over the tasks of "
+                      "TF_CONFIG / --worker_hosts (single controller); multi_worker: "
+                      "data parallelism between TF_CONFIG tasks.")
+    flags.DEFINE_enum("communication", "ring", ["ring", "nccl", "auto"],
+                      "Collective implementation for --strategy=multi_worker.")
+    flags.DEFINE_list("worker_hosts", [], "host:port of every task (builds TF_CONFIG).")
+    flags.DEFINE_integer("task_index", 0, "This task's index in --worker_hosts.")
+    flags.DEFINE_integer("devices_per_worker", 0,
+                         "Logical CPU devices per task (0: TFDIST_DEVICES_PER_WORKER or 1).")
+
+
+def cluster_from_flags():
+    """The `ClusterConfig` of --worker_hosts or TF_CONFIG, or None on one machine."""
+    from tfdist.cluster import ClusterConfig
+
+    FLAGS = flags.FLAGS
+    if FLAGS.worker_hosts:
+        return ClusterConfig.from_hosts(FLAGS.worker_hosts, FLAGS.task_index)
+    return ClusterConfig.from_env()
+
+
+def strategy_from_flags(mesh):
+    """The strategy the cluster flags ask for, over `mesh` (a `tfdist.mesh.Mesh`).
+
+    On a task that only serves a mesh over workers this does not return.
+
+    Raises:
+        ValueError: a broken TF_CONFIG / --worker_hosts, or a mesh that does
+            not match the cluster's devices.
+    """
+    FLAGS = flags.FLAGS
+    cluster = cluster_from_flags()
+    if FLAGS.strategy == "multi_worker":
+        if cluster is None:
+            raise ValueError("--strategy=multi_worker needs TF_CONFIG or --worker_hosts.")
+        if FLAGS.worker_hosts:
+            import os
+
+            os.environ["TF_CONFIG"] = cluster.to_tf_config()
+        from tfdist.strategies import MultiWorkerStrategy
+
+        return MultiWorkerStrategy(communication=FLAGS.communication)
+    from tfdist.strategies import MeshStrategy
+
+    if cluster is None:
+        from tfdist.testing.devices import split_cpu
+
+        split_cpu(mesh.size)
+        return MeshStrategy(mesh)
+    from tfdist.launch.local import devices_per_worker_from_env
+
+    per_worker = FLAGS.devices_per_worker or devices_per_worker_from_env()
+    if cluster.num_tasks * per_worker != mesh.size:
+        raise ValueError(
+            f"Mesh {mesh.shape} has {mesh.size} devices but the cluster has "
+            f"{cluster.num_tasks} tasks x {per_worker} devices; use "
+            f"--devices_per_worker={mesh.size // cluster.num_tasks} or a mesh of "
+            f"{cluster.num_tasks * per_worker} devices.")
+    return MeshStrategy(mesh, devices=cluster.start(per_worker))

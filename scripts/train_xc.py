@@ -21,7 +21,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, XCConfig  # noqa: E402
-from flag_utils import validate_mesh_flags  # noqa: E402
+from flag_utils import define_cluster_flags, strategy_from_flags, validate_mesh_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -45,6 +45,7 @@ def define_flags():
     flags.DEFINE_integer("seed", defaults.seed, "Seed.")
     flags.DEFINE_string("model_dir", None, "Where to write config, checkpoint and logs.")
     validate_mesh_flags()
+    define_cluster_flags()
 
 
 
@@ -61,17 +62,21 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     mesh = config.mesh.mesh()
+    if FLAGS.strategy == "multi_worker":  # data parallel between tasks: no mesh here
+        from tfdist.mesh import Mesh
 
-    from tfdist.testing.devices import split_cpu
-
-    split_cpu(mesh.size)
+        mesh = Mesh.parse(";".join(f"{n}:1" for n in mesh.shape.names), config.mesh.layout)
+    try:
+        strategy = strategy_from_flags(mesh)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     import keras
     import numpy as np
 
     from tfdist import checkpoint
     from tfdist.data.xc import read_xmc, synthetic_batch
     from tfdist.layers import ShardedSoftmax, ShardedSparseCategoricalCrossentropy, ShardedTopKAccuracy
-    from tfdist.strategies import MeshStrategy
+    from tfdist.callbacks import is_chief
 
     C = config.num_classes
     if config.train_file:
@@ -92,7 +97,7 @@ def main(argv):
     x_test, y_test = x_test[:eval_n], y_test[:eval_n]
 
     keras.utils.set_random_seed(config.seed)
-    strategy = MeshStrategy(mesh)
+    chief = is_chief(strategy)
     with strategy.scope():
         inputs = keras.Input((x.shape[1],))
         head = ShardedSoftmax(C, kernel_initializer="zeros", sample_rate=config.sample_rate,
@@ -108,12 +113,13 @@ def main(argv):
         if train_model is not model:  # the sampled head adds its own loss
             train_model.compile(keras.optimizers.Adam(config.learning_rate), loss=None)
     layout = model.get_layer("head").weight_layouts["kernel"]
-    print(f"train_xc: {C:,} classes on {mesh}; head kernel {layout.shape} -> "
+    print(f"train_xc: {C:,} classes on {mesh} ({strategy.num_replicas_in_sync} replicas); "
+          f"head kernel {layout.shape} -> "
           f"{layout.local_shape} per device"
           + (f"; training samples {config.sample_rate:g} of each shard's classes"
              if config.sample_rate < 1 else ""))
     callbacks = []
-    if FLAGS.model_dir:
+    if FLAGS.model_dir and chief:  # one writer: the chief (or the mesh's controller)
         os.makedirs(FLAGS.model_dir, exist_ok=True)
         with open(os.path.join(FLAGS.model_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=2)
@@ -123,7 +129,7 @@ def main(argv):
     result = model.evaluate(x_test, y_test, batch_size=config.batch_size, verbose=0, return_dict=True)
     print(f"held-out top-1 {result['top1_accuracy']:.3f}, top-5 {result['top5_accuracy']:.3f} "
           f"(loss {result['loss']:.3f}, {eval_n} examples)")
-    if FLAGS.model_dir:
+    if FLAGS.model_dir and chief:
         checkpoint.save_global(model, os.path.join(FLAGS.model_dir, "model.npz"))
         print(f"config, checkpoint and TensorBoard logs in {FLAGS.model_dir}")
     return 0

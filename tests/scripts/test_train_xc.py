@@ -8,6 +8,8 @@ import pytest
 
 from tfdist.data.xc import prototypes, read_xmc, synthetic_batch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 
 @pytest.mark.slow
@@ -46,6 +48,46 @@ def test_xmc_file_run(run_script, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("held-out"))
     assert float(line.split()[2].rstrip(",")) > 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["mesh", "multi_worker"])
+def test_runs_over_two_worker_processes(strategy, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--num_workers", "2", "--", "scripts/train_xc.py",
+         "--num_classes=2000", "--d_model=32", "--steps=20", "--batch_size=64",
+         f"--strategy={strategy}", f"--model_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    held_out = [l for l in result.stdout.splitlines() if "held-out top-1" in l]
+    # The mesh's controller alone runs the program; data-parallel workers all do.
+    assert len(held_out) == (1 if strategy == "mesh" else 2)
+    assert float(held_out[0].split("top-1 ")[1].split(",")[0]) > 0.3
+    if strategy == "mesh":
+        assert "(32, 2000) -> (32, 1000) per device" in result.stdout  # one shard per process
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "logs", "model.npz"]
+
+
+@pytest.mark.parametrize(
+    "env, flags, fragment",
+    [({"TF_CONFIG": "{broken"}, [], "TF_CONFIG is not valid JSON"),
+     ({}, ["--worker_hosts=localhost:1,localhost:2", "--mesh_shape=data:1;model:4"],
+      "Mesh data:1;model:4 has 4 devices but the cluster has 2 tasks x 1 devices"),
+     ({}, ["--strategy=multi_worker"], "--strategy=multi_worker needs TF_CONFIG or --worker_hosts")],
+)
+def test_bad_cluster_gives_one_clear_error(env, flags, fragment, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run([sys.executable, "scripts/train_xc.py", *flags],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**environ, **env})
+    assert result.returncode != 0
+    assert fragment in result.stderr and "Traceback" not in result.stderr, result.stderr[-1500:]
 
 
 @pytest.mark.parametrize(
