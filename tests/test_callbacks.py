@@ -64,7 +64,7 @@ def test_resume_after_interruption_equals_uninterrupted_run_on_another_mesh(tmp_
 WRITER = """
 import sys, numpy as np, keras
 from tfdist import checkpoint
-model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096)])
+model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, name="d")], name="m")
 model.compile("adam", "mse"); model.optimizer.build(model.trainable_variables)
 for value in range(1, 1000):
     for w in model.weights:
@@ -89,7 +89,7 @@ def test_a_checkpoint_killed_while_being_written_leaves_the_previous_one(tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
-    model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096)])
+    model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, name="d")], name="m")
     model.compile("adam", "mse")
     model.optimizer.build(model.trainable_variables)
     checkpoint.load_global(model, str(path))  # complete, not truncated
