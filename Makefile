@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) bench/mesh_strategy.py
 	$(PY) bench/moe.py
 	$(PY) bench/xc_softmax.py
+	$(PY) bench/xc_processes.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

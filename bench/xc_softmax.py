@@ -7,8 +7,8 @@ ShardedSoftmax on a 1xM in-process mesh (classes:model).
 Reports per-device bytes of head weights + Adam slots + logits (expect 1/M of
 dense) and steps/s with the ratio to the dense head. In-process virtual
 devices share this machine's cores, so the step-time ratio here measures
-overhead, not the 2-process one-core-each scaling the issue asks for (that
-needs a mesh over processes: multi-worker or Horovod).
+overhead, not scaling; `bench/xc_processes.py` measures the head on
+processes pinned to one core each.
 
     python bench/xc_softmax.py [--num_classes 1000000] [--steps 5]
 """
