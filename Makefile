@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench horovod clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ bench: $(STAMP)
 	$(PY) bench/moe.py
 	$(PY) bench/xc_softmax.py
 	$(PY) bench/xc_processes.py
+
+# Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).
+horovod: $(STAMP)
+	bash scripts/install_horovod.sh $(PY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,12 +13,15 @@ def is_chief(strategy=None) -> bool:
     """Whether this process writes checkpoints and logs.
 
     True for a single process and for the controller of a tfdist mesh over
-    workers; under `MultiWorkerMirroredStrategy` only for the `chief` task,
+    workers; under `HorovodStrategy` for rank 0; under
+    `MultiWorkerMirroredStrategy` only for the `chief` task,
     or `worker` 0 when the cluster has no chief.
     """
     import tensorflow as tf
 
     strategy = strategy or tf.distribute.get_strategy()
+    if hasattr(strategy, "rank"):  # HorovodStrategy
+        return strategy.rank == 0
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.cluster_spec().as_dict():
         return True

@@ -41,6 +41,12 @@ def _multi_worker(**options):
     return MultiWorkerStrategy(**options)
 
 
+def _horovod(**options):
+    from tfdist.strategies.horovod import HorovodStrategy
+
+    return HorovodStrategy(**options)
+
+
 def _tpu(**options):
     from tfdist.launch.tpu import tpu_strategy
 
@@ -64,6 +70,7 @@ _FACTORIES = {
     "mesh_cluster": _mesh_cluster,
     "multi_worker": _multi_worker,
     "averaging": _averaging,
+    "horovod": _horovod,
     "tpu": _tpu,
 }
 
@@ -75,7 +82,7 @@ def get_strategy(name: str, **options):
 
     Args:
         name: one of `STRATEGY_NAMES` (`default`, `one_device`, `mirrored`,
-            `mesh`, `mesh_cluster`, `multi_worker`, `averaging`, `tpu`).
+            `mesh`, `mesh_cluster`, `multi_worker`, `averaging`, `horovod`, `tpu`).
         **options: keyword arguments of that strategy, e.g.
             `mesh_shape="data:2;model:2", layout="d_ff:model"` for `mesh`.
 

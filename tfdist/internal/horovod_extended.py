@@ -1,0 +1,104 @@
+"""HorovodExtended: one tf.distribute replica per Horovod process.
+
+Private TF APIs used here (and only here): `MirroredExtended` and its hooks
+`_reduce_to`, `_batch_reduce_to`, `_create_variable`,
+`_experimental_distribute_dataset`, `_num_replicas_in_sync`; `values.Mirrored`;
+`input_util.get_distributed_dataset`.
+
+`horovod.tensorflow.keras` targets Keras 2 optimizers and breaks on TF >= 2.16
+(horovod#4290), so instead of wrapping the optimizer we make Horovod the
+strategy's cross-replica engine: a MirroredExtended over this process's one
+device whose replica count is `hvd.size()`, whose reductions are Horovod
+all-reduces (grouped for gradients), whose variables start from rank 0's
+initial values, and whose datasets give each rank its contiguous slice of
+every global batch (as MirroredStrategy splits a batch over its devices), so
+an unmodified Keras 3 `fit` trains exactly like one process on the same
+global batches. Metric variables are on-read synchronised: read outside a
+step (Keras's epoch and `evaluate` logs) they are summed over ranks.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import input_util
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values
+
+
+class HorovodExtended(mirrored_strategy.MirroredExtended):
+    def __init__(self, container_strategy, hvd, device, compression):
+        super().__init__(container_strategy, devices=[device],
+                         cross_device_ops=cross_device_ops_lib.ReductionToOneDevice())
+        self.hvd = hvd
+        self.compression = compression
+        self._count = 0
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self.hvd.size()
+
+    def _use_merge_call(self):
+        return True
+
+    # -- variables: rank 0's initial values everywhere --------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        initial = kwargs.get("initial_value")
+        if initial is not None and self.hvd.size() > 1:
+            name = f"tfdist_init_{self._next()}"
+
+            def broadcast_initial():
+                value = initial() if callable(initial) else initial
+                return self.hvd.broadcast(tf.convert_to_tensor(value), root_rank=0, name=name)
+
+            kwargs["initial_value"] = broadcast_initial
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _next(self) -> int:
+        self._count += 1
+        return self._count
+
+    # -- reductions: Horovod all-reduce over ranks ------------------------------
+
+    def _op(self, reduce_op):
+        return self.hvd.Sum if reduce_op == tf.distribute.ReduceOp.SUM else self.hvd.Average
+
+    def _allreduce(self, reduce_op, tensors):
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        if self.hvd.size() == 1:
+            return tensors
+        return self.hvd.grouped_allreduce(tensors, op=self._op(reduce_op),
+                                          compression=self.compression,
+                                          name=f"tfdist_reduce_{self._next()}")
+
+    def _local(self, value):
+        if isinstance(value, values.DistributedValues):
+            return value.values[0]
+        return value
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        (reduced,) = self._allreduce(reduce_op, [self._local(value)])
+        return values.Mirrored((reduced,)) if isinstance(value, values.DistributedValues) \
+            else reduced
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        reduced = self._allreduce(reduce_op, [self._local(v) for v, _ in value_destination_pairs])
+        return [values.Mirrored((r,)) for r in reduced]
+
+    # -- input: each rank its slice of every global batch ------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        rank, size = self.hvd.rank(), self.hvd.size()
+
+        def my_rows(*batch):
+            def part(t):
+                rows = tf.shape(t)[0] // size
+                return t[rank * rows:(rank + 1) * rows]
+
+            out = tf.nest.map_structure(part, batch)
+            return out if len(out) > 1 else out[0]
+
+        if size > 1:
+            dataset = dataset.map(my_rows)
+        return input_util.get_distributed_dataset(
+            dataset, self._input_workers_with_options(options), self._container_strategy(),
+            num_replicas_in_sync=1, options=options)
