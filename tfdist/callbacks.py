@@ -32,6 +32,16 @@ def is_chief(strategy=None) -> bool:
     return task_type == "worker" and task_id == 0
 
 
+def on_chief(*callbacks, strategy=None):
+    """`callbacks` on the chief, nothing elsewhere: for Keras's own writers.
+
+    Keras's `ModelCheckpoint`, `TensorBoard`, `CSVLogger`... write from every
+    process of a multi-process job, to the same paths. Wrap them:
+    `model.fit(..., callbacks=on_chief(ModelCheckpoint(path), TensorBoard(logs)))`.
+    """
+    return list(callbacks) if is_chief(strategy) else []
+
+
 class BackupAndRestore(keras.callbacks.Callback):
     """Resumes an interrupted `fit` where its last completed epoch left it.
 

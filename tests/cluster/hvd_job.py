@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 parser = argparse.ArgumentParser()
 parser.add_argument("--compression", default="none")
 parser.add_argument("--steps_per_execution", type=int, default=1)
+parser.add_argument("--die_rank", type=int, default=-1, help="This rank dies at epoch 1.")
+parser.add_argument("--epochs", type=int, default=1)
 args = parser.parse_args()
 
 import keras  # noqa: E402
@@ -43,8 +45,18 @@ def build():
 with strategy.scope():
     model = build()
 initial = [w.copy() for w in model.get_weights()]
-model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+
+
+class Die(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1 and strategy.rank == args.die_rank:
+            print(f"rank {strategy.rank}: dying", flush=True)
+            os._exit(17)
+
+
+model.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[Die()])
 result = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+predictions = model.predict(x, batch_size=16, verbose=0)
 
 reference = build()
 reference.set_weights(initial)
@@ -52,8 +64,10 @@ reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
 expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
 diff = max(float(np.abs(a - b).max() / np.abs(b).max())
            for a, b in zip(model.get_weights(), reference.get_weights()))
+pred_diff = float(np.abs(predictions - reference.predict(x, batch_size=16, verbose=0)).max())
 checksum = sum(float(np.abs(w).sum()) for w in model.get_weights())
 print(f"rank {strategy.rank} chief={is_chief(strategy)}: weights rel diff {diff:.2e}, "
       f"checksum {checksum:.6f}, initial checksum {sum(float(np.abs(w).sum()) for w in initial):.6f}, "
       f"loss {result['loss']:.6f} vs {expected['loss']:.6f}, "
+      f"predict rows {len(predictions)} diff {pred_diff:.2e}, "
       f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}", flush=True)

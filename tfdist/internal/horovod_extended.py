@@ -15,6 +15,11 @@ every global batch (as MirroredStrategy splits a batch over its devices), so
 an unmodified Keras 3 `fit` trains exactly like one process on the same
 global batches. Metric variables are on-read synchronised: read outside a
 step (Keras's epoch and `evaluate` logs) they are summed over ranks.
+
+Keras's `predict` concatenates what `strategy.run` returns on this process
+only; for its step function (recognised by its qualified name,
+`...make_predict_function.<locals>...`) the outputs are all-gathered in rank
+order, so every rank's `predict` returns all rows in order.
 """
 
 import tensorflow as tf
@@ -25,11 +30,12 @@ from tensorflow.python.distribute import values
 
 
 class HorovodExtended(mirrored_strategy.MirroredExtended):
-    def __init__(self, container_strategy, hvd, device, compression):
+    def __init__(self, container_strategy, hvd, device, compression, adasum=False):
         super().__init__(container_strategy, devices=[device],
                          cross_device_ops=cross_device_ops_lib.ReductionToOneDevice())
         self.hvd = hvd
         self.compression = compression
+        self.adasum = adasum
         self._count = 0
 
     @property
@@ -60,6 +66,8 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
     # -- reductions: Horovod all-reduce over ranks ------------------------------
 
     def _op(self, reduce_op):
+        if self.adasum:
+            return self.hvd.Adasum
         return self.hvd.Sum if reduce_op == tf.distribute.ReduceOp.SUM else self.hvd.Average
 
     def _allreduce(self, reduce_op, tensors):
@@ -84,6 +92,16 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
         reduced = self._allreduce(reduce_op, [self._local(v) for v, _ in value_destination_pairs])
         return [values.Mirrored((r,)) for r in reduced]
 
+    # -- outputs: Keras predict gets every rank's rows --------------------------
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        out = super()._call_for_each_replica(fn, args, kwargs)
+        if self.hvd.size() > 1 and _is_keras_predict_step(fn):
+            out = tf.nest.map_structure(
+                lambda t: self.hvd.allgather(self._local(t), name=f"tfdist_predict_{self._next()}"),
+                out)
+        return out
+
     # -- input: each rank its slice of every global batch ------------------------
 
     def _experimental_distribute_dataset(self, dataset, options):
@@ -102,3 +120,15 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
         return input_util.get_distributed_dataset(
             dataset, self._input_workers_with_options(options), self._container_strategy(),
             num_replicas_in_sync=1, options=options)
+
+
+def _is_keras_predict_step(fn) -> bool:
+    """Whether `fn` is (a wrapper of) the step Keras's `make_predict_function` builds."""
+    seen = 0
+    while fn is not None and seen < 10:
+        if "make_predict_function" in getattr(fn, "__qualname__", ""):
+            return True
+        fn = (getattr(fn, "__wrapped__", None) or getattr(fn, "python_function", None)
+              or getattr(fn, "_tf_decorator", None) and fn._tf_decorator.decorated_target)
+        seen += 1
+    return False
