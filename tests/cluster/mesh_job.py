@@ -61,3 +61,31 @@ report = assert_equivalent(
     optimizer=lambda: keras.optimizers.Adam(0.01), batch_size=16, steps=10,
     compare_outputs=False, rtol=1e-5)
 print(f"xc_head {mesh}: {report}", flush=True)
+
+# Model averaging over the same devices (one copy per device, all processes):
+# period 1 with SGD is synchronous SGD.
+from tfdist.strategies import ModelAveragingStrategy  # noqa: E402
+
+averaging = ModelAveragingStrategy(period=1, devices=devices)
+xa = np.random.default_rng(1).normal(size=(10 * 16, 8)).astype("float32")
+ya = np.random.default_rng(2).normal(size=(10 * 16, 2)).astype("float32")
+
+
+def mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+with averaging.scope():
+    averaged = mlp()
+reference = mlp()
+averaged.set_weights(reference.get_weights())
+averaged.fit(xa, ya, batch_size=16, shuffle=False, verbose=0)
+reference.fit(xa, ya, batch_size=16, shuffle=False, verbose=0)
+diff = max(float(np.abs(a - b).max() / np.abs(b).max())
+           for a, b in zip(averaged.get_weights(), reference.get_weights()))
+assert diff < 1e-5, diff
+print(f"averaging {mesh}: period 1 SGD vs synchronous SGD {diff:.1e}", flush=True)

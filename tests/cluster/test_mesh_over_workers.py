@@ -34,6 +34,7 @@ def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh):
         line = next(l for l in result.stdout.splitlines() if f"] {name} {mesh}:" in l)
         print(line)
         assert "weights after 10 steps" in line  # assert_equivalent passed in the job
+    assert f"] averaging {mesh}: period 1 SGD vs synchronous SGD" in result.stdout
 
 
 def test_launcher_ends_the_others_with_the_first_failure():
