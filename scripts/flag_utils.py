@@ -74,13 +74,4 @@ def strategy_from_flags(mesh):
 
         split_cpu(mesh.size)
         return MeshStrategy(mesh)
-    from tfdist.launch.local import devices_per_worker_from_env
-
-    per_worker = FLAGS.devices_per_worker or devices_per_worker_from_env()
-    if cluster.num_tasks * per_worker != mesh.size:
-        raise ValueError(
-            f"Mesh {mesh.shape} has {mesh.size} devices but the cluster has "
-            f"{cluster.num_tasks} tasks x {per_worker} devices; use "
-            f"--devices_per_worker={mesh.size // cluster.num_tasks} or a mesh of "
-            f"{cluster.num_tasks * per_worker} devices.")
-    return MeshStrategy(mesh, devices=cluster.start(per_worker))
+    return MeshStrategy(mesh, devices=cluster.mesh_devices(mesh.size, FLAGS.devices_per_worker))

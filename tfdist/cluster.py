@@ -151,6 +151,23 @@ class ClusterConfig:
 
     # -- TensorFlow side -----------------------------------------------------
 
+    def mesh_devices(self, mesh_size: int, devices_per_worker: Optional[int] = None):
+        """Checks that a mesh of `mesh_size` devices fits, then `start`s.
+
+        Raises:
+            ValueError: the mesh size is not tasks x devices per task.
+        """
+        from tfdist.launch.local import devices_per_worker_from_env
+
+        per_worker = devices_per_worker or devices_per_worker_from_env()
+        if self.num_tasks * per_worker != mesh_size:
+            raise ValueError(
+                f"The mesh has {mesh_size} devices but the cluster has {self.num_tasks} "
+                f"tasks x {per_worker} devices; use devices_per_worker="
+                f"{max(1, mesh_size // self.num_tasks)} or a mesh of "
+                f"{self.num_tasks * per_worker} devices.")
+        return self.start(per_worker)
+
     def start(self, devices_per_worker: Optional[int] = None, threads: int = 0,
               grace_s: float = 10.0):
         """Joins the cluster. Returns the mesh devices on the controller.

@@ -75,7 +75,7 @@ def test_runs_over_two_worker_processes(strategy, tmp_path):
     "env, flags, fragment",
     [({"TF_CONFIG": "{broken"}, [], "TF_CONFIG is not valid JSON"),
      ({}, ["--worker_hosts=localhost:1,localhost:2", "--mesh_shape=data:1;model:4"],
-      "Mesh data:1;model:4 has 4 devices but the cluster has 2 tasks x 1 devices"),
+      "The mesh has 4 devices but the cluster has 2 tasks x 1 devices"),
      ({}, ["--strategy=multi_worker"], "--strategy=multi_worker needs TF_CONFIG or --worker_hosts")],
 )
 def test_bad_cluster_gives_one_clear_error(env, flags, fragment, tmp_path, monkeypatch):

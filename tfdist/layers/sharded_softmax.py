@@ -83,8 +83,7 @@ def sharded_cross_entropy(labels, logits, num_classes, axis, label_smoothing=0.0
     all_labels = collectives.all_gather(labels, axis, dim=0)  # [b*M]
     local = logits.shape[-1]
     offset = collectives.axis_index(axis) * local
-    local_label = all_labels - offset
-    owned = tf.logical_and(local_label >= 0, local_label < local)
+    local_label, owned = _in_shard(all_labels, offset, local)
     mask = None
     if local * collectives.axis_size(axis) != num_classes:  # the last shard's padding
         mask = tf.where((offset + tf.range(local)) < num_classes, 0.0, float("-inf"))
@@ -150,6 +149,12 @@ def softmax_cross_entropy_on_shards(logits, target_column, owned, axis, label_sm
     return loss_fn(logits)
 
 
+def _in_shard(labels, offset, local):
+    """Labels relative to the shard starting at class `offset`, and whether it holds them."""
+    local_label = labels - offset
+    return local_label, tf.logical_and(local_label >= 0, local_label < local)
+
+
 def _place_rows(x, axis):
     """`x` ([b], this replica's rows) at its slot of the gathered `[b*M]`, zeros elsewhere."""
     size = collectives.axis_size(axis)
@@ -174,8 +179,7 @@ def sample_classes(all_labels, offset, local, num_classes, sample_rate):
         `all_labels` in this shard) plus uniformly drawn negatives, in all
         `max(ceil(sample_rate * real), positives)` columns.
     """
-    local_label = all_labels - offset
-    in_shard = tf.logical_and(local_label >= 0, local_label < local)
+    local_label, in_shard = _in_shard(all_labels, offset, local)
     positive = tf.scatter_nd(tf.where(in_shard, local_label, 0)[:, None],
                              tf.cast(in_shard, "int32"), [local]) > 0  # [C_l]
     real = (offset + tf.range(local)) < num_classes
@@ -326,8 +330,7 @@ class ShardedSoftmax(keras.layers.Layer):
         logits = tf.matmul(x, tf.gather(kernel, ids, axis=1))  # [b*M, kept]
         if self.bias is not None:
             logits = logits + tf.gather(tf.convert_to_tensor(self.bias)[None], ids, axis=1)
-        local_label = all_labels - offset
-        owned = tf.logical_and(local_label >= 0, local_label < local)
+        local_label, owned = _in_shard(all_labels, offset, local)
         column = tf.searchsorted(ids[None], tf.where(owned, local_label, 0)[None])[0]
         losses = softmax_cross_entropy_on_shards(
             logits, tf.where(owned, column, 0), owned, self._axis, self.label_smoothing)

@@ -1,5 +1,6 @@
 """ModelAveragingStrategy: local SGD, weights averaged every K steps (optionally BMUF)."""
 
+import math
 from typing import Optional, Sequence
 
 import keras
@@ -101,8 +102,8 @@ class CommunicationBytes(keras.callbacks.Callback):
         if isinstance(self.strategy, ModelAveragingStrategy):
             return self.strategy.bytes_per_step()
         n = self.strategy.num_replicas_in_sync
-        grads = sum(int(tf.size(w)) * w.dtype_size if hasattr(w, "dtype_size") else
-                    int(tf.size(w)) * tf.as_dtype(w.dtype).size for w in self.model.trainable_weights)
+        grads = sum(math.prod(w.shape) * tf.as_dtype(w.dtype).size
+                    for w in self.model.trainable_weights)
         return 2 * (n - 1) / n * grads
 
     def on_epoch_end(self, epoch, logs=None):

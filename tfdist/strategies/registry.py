@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from tfdist.mesh import Mesh
 from tfdist.strategies.averaging import ModelAveragingStrategy
 from tfdist.strategies.mesh_strategy import MeshStrategy
 from tfdist.strategies.multi_worker import MultiWorkerStrategy
@@ -33,8 +34,9 @@ def _mesh_cluster(mesh_shape="data:1", layout=None, devices_per_worker=None, **o
     cluster = ClusterConfig.from_env()
     if cluster is None:
         raise ValueError("Strategy 'mesh_cluster' needs TF_CONFIG (python -m tfdist.launch sets it).")
-    devices = cluster.start(devices_per_worker)
-    return MeshStrategy(mesh_shape, layout, devices=devices, **options)
+    mesh = Mesh.parse(mesh_shape, layout)
+    return MeshStrategy(mesh, devices=cluster.mesh_devices(mesh.size, devices_per_worker),
+                        **options)
 
 
 def _multi_worker(**options):
