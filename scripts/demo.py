@@ -63,7 +63,6 @@ def main(argv):
 
     split_cpu(max(mesh.size, 1))
     import keras
-    import numpy as np
 
     from tfdist import checkpoint
     from tfdist.models import build_token_mlp, make_copy_task

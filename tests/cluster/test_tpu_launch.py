@@ -1,6 +1,5 @@
 """TPU launch: argument handling and the construction path, with a mocked TensorFlow."""
 
-import subprocess
 import sys
 from unittest import mock
 
