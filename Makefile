@@ -17,6 +17,7 @@ demo: $(STAMP)
 	    --layout='batch:data;d_ff:model;vocab:model'
 
 test: $(STAMP)
+	bash scripts/install_horovod.sh $(PY)  # the Horovod tests run in CI too
 	TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)

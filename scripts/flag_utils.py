@@ -24,10 +24,12 @@ def validate_mesh_flags(mesh_flag: str = "mesh_shape", layout_flag: str = "layou
 
 def define_cluster_flags() -> None:
     """--strategy, --communication, --worker_hosts, --task_index, --devices_per_worker."""
-    flags.DEFINE_enum("strategy", "mesh", ["mesh", "multi_worker"],
+    flags.DEFINE_enum("strategy", "mesh", ["mesh", "multi_worker", "horovod"],
                       "mesh: the mesh over this machine's devices, or over the tasks of "
                       "TF_CONFIG / --worker_hosts (single controller); multi_worker: "
-                      "data parallelism between TF_CONFIG tasks.")
+                      "data parallelism between TF_CONFIG tasks; horovod: the mesh over "
+                      "Horovod ranks, one device per rank (launch with horovodrun -np "
+                      "<mesh size>).")
     flags.DEFINE_enum("communication", "ring", ["ring", "nccl", "auto"],
                       "Collective implementation for --strategy=multi_worker.")
     flags.DEFINE_list("worker_hosts", [], "host:port of every task (builds TF_CONFIG).")
@@ -56,6 +58,10 @@ def strategy_from_flags(mesh):
             not match the cluster's devices.
     """
     FLAGS = flags.FLAGS
+    if FLAGS.strategy == "horovod":
+        from tfdist.strategies.horovod import HorovodStrategy
+
+        return HorovodStrategy(mesh_shape=mesh.shape, layout=mesh.rules)
     cluster = cluster_from_flags()
     if FLAGS.strategy == "multi_worker":
         if cluster is None:

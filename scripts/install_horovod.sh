@@ -23,7 +23,7 @@ fi
 wheel=$(ls "$CACHE"/horovod-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)
 if [ -n "$wheel" ]; then
     echo "install_horovod: installing cached $wheel"
-    "$PY" -m pip install --quiet --no-deps "$wheel"
+    "$PY" -m pip install --quiet "$wheel"  # with horovodrun's dependencies
     "$PY" -c "import horovod.tensorflow"
     exit 0
 fi
@@ -53,6 +53,7 @@ done
 
 echo "install_horovod: building horovod==$VERSION (about 10 minutes on 2 cores)"
 mkdir -p "$CACHE"
+"$PY" -m pip install --quiet setuptools wheel packaging  # --no-build-isolation needs them
 CPLUS_INCLUDE_PATH="$include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \

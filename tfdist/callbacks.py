@@ -39,6 +39,18 @@ def on_chief(*callbacks, strategy=None):
     process of a multi-process job, to the same paths. Wrap them:
     `model.fit(..., callbacks=on_chief(ModelCheckpoint(path), TensorBoard(logs)))`.
     """
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    if getattr(strategy, "collective_weight_reads", False):
+        savers = [c for c in callbacks
+                  if isinstance(c, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))]
+        if savers:
+            raise ValueError(
+                f"{type(savers[0]).__name__} on the chief alone would hang under {strategy!r}: "
+                f"reading sharded weights globally gathers them from every rank. Use "
+                f"tfdist.callbacks.BackupAndRestore(dir) on every rank (all gather, rank 0 "
+                f"writes) or call tfdist.checkpoint.global_arrays on every rank.")
     return list(callbacks) if is_chief(strategy) else []
 
 
@@ -53,7 +65,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     so a run killed at any point and restarted ends with the weights of a run
     that was never interrupted (the data must be the same each epoch, e.g.
     `shuffle=False` or a seeded pipeline). Works under MeshStrategy (global
-    tensors: resume on another mesh) and multi-worker strategies (the chief
+    tensors: resume on another mesh), multi-worker strategies and
+    HorovodStrategy (every process gathers the global values, the chief
     writes, all read; the directory must be shared).
 
     Args:
@@ -93,9 +106,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         print(f"tfdist: resumed from {backups[epoch]} (after epoch {epoch + 1})", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
+        arrays = checkpoint.global_arrays(self.model)  # every process: may be a collective
         if not is_chief(self.model.distribute_strategy):
             return
-        checkpoint.save_global(self.model, os.path.join(self.backup_dir, f"{_PREFIX}{epoch}.npz"))
+        checkpoint.write_arrays(arrays, os.path.join(self.backup_dir, f"{_PREFIX}{epoch}.npz"))
         for old, path in self._backups().items():
             if old < epoch:
                 os.unlink(path)

@@ -45,7 +45,20 @@ def save_global(model, path: str, with_optimizer: bool = True) -> None:
         path: the `.npz` file to write (atomically).
         with_optimizer: also save the optimizer's variables (slots, iterations).
     """
-    arrays = {name: np.asarray(v.numpy()) for name, v in _named_variables(model, with_optimizer).items()}
+    write_arrays(global_arrays(model, with_optimizer), path)
+
+
+def global_arrays(model, with_optimizer: bool = True) -> dict:
+    """`{path: global numpy value}` of every weight (and optimizer variable).
+
+    Under a `HorovodStrategy` with a mesh this all-gathers the shards: call it
+    on every rank together (`BackupAndRestore` does), then write on one.
+    """
+    return {name: np.asarray(v.numpy()) for name, v in _named_variables(model, with_optimizer).items()}
+
+
+def write_arrays(arrays: dict, path: str) -> None:
+    """Writes `arrays` to the `.npz` file `path` atomically (temporary name, then rename)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")

@@ -172,7 +172,7 @@ def axis_context(axis: Optional[str]) -> Optional[AxisContext]:
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
     if replica is None:
         raise RuntimeError("tfdist collectives need a static replica id.")
-    replica = int(replica)
+    replica = strategy.extended.mesh_device_index(int(replica))
     for group in strategy.mesh.shape.groups([axis]):
         if replica in group:
             return AxisContext(strategy.engine, replica, group)

@@ -3,7 +3,8 @@
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_reduce_to`, `_batch_reduce_to`, `_create_variable`,
 `_experimental_distribute_dataset`, `_num_replicas_in_sync`; `values.Mirrored`;
-`input_util.get_distributed_dataset`.
+`input_util.get_distributed_dataset`; through `ShardRouting` and
+`ShardedVariable` those of `mesh_extended`.
 
 `horovod.tensorflow.keras` targets Keras 2 optimizers and breaks on TF >= 2.16
 (horovod#4290), so instead of wrapping the optimizer we make Horovod the
@@ -20,6 +21,13 @@ Keras's `predict` concatenates what `strategy.run` returns on this process
 only; for its step function (recognised by its qualified name,
 `...make_predict_function.<locals>...`) the outputs are all-gathered in rank
 order, so every rank's `predict` returns all rows in order.
+
+With a mesh, rank `r` is mesh device `r`: a sharded weight is a
+`HorovodShardedVariable` holding only this rank's shard (cut from rank 0's
+global initial value), its gradient is summed over the ranks that hold the
+same shard (`ShardRouting`, with Horovod process sets as the engine), and
+reading it globally (`get_weights`, saving) all-gathers the shards, so every
+rank must read it at the same time.
 """
 
 import tensorflow as tf
@@ -28,26 +36,61 @@ from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
+from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global, \
+    split_global
 
-class HorovodExtended(mirrored_strategy.MirroredExtended):
-    def __init__(self, container_strategy, hvd, device, compression, adasum=False):
+
+class HorovodShardedVariable(ShardedVariable):
+    """This rank's shard of a global tensor; read globally, it all-gathers the shards."""
+
+    def _get_cross_replica(self):
+        extended = self._distribute_strategy.extended
+        (local,) = self._values
+        shards = extended.hvd.allgather(local.read_value()[tf.newaxis],
+                                        name=f"tfdist_read_{extended._next()}")
+        return assemble_global(self.layout, tf.unstack(shards, num=self.layout.mesh_shape.size))
+
+    def _update_cross_replica(self, update_fn, value, **kwargs):
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if value.shape.rank is not None and tuple(value.shape) != self.layout.shape:
+            raise ValueError(
+                f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
+                f"variable {self.name!r} of global shape {self.layout.shape}.")
+        (local,) = self._values
+        shard = split_global(self.layout, value)[self._distribute_strategy.extended.hvd.rank()]
+        with tf.device(local.device):
+            update = update_fn(local, shard, **kwargs)
+        return self if isinstance(update, tf.Variable) else update
+
+
+class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
+    def __init__(self, container_strategy, hvd, device, compression, mesh, engine,
+                 adasum=False):
         super().__init__(container_strategy, devices=[device],
                          cross_device_ops=cross_device_ops_lib.ReductionToOneDevice())
         self.hvd = hvd
+        self.mesh = mesh
+        self.engine = engine
         self.compression = compression
         self.adasum = adasum
         self._count = 0
+        self._init_routing()
 
     @property
     def _num_replicas_in_sync(self):
         return self.hvd.size()
+
+    def mesh_device_index(self, local_replica: int) -> int:
+        return self.hvd.rank() + local_replica
 
     def _use_merge_call(self):
         return True
 
     # -- variables: rank 0's initial values everywhere --------------------------
 
-    def _create_variable(self, next_creator, **kwargs):
+    _sharded_variable_class = HorovodShardedVariable
+
+    def _create_replicated_variable(self, next_creator, **kwargs):
         initial = kwargs.get("initial_value")
         if initial is not None and self.hvd.size() > 1:
             name = f"tfdist_init_{self._next()}"
@@ -57,7 +100,12 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
                 return self.hvd.broadcast(tf.convert_to_tensor(value), root_rank=0, name=name)
 
             kwargs["initial_value"] = broadcast_initial
-        return super()._create_variable(next_creator, **kwargs)
+        return mirrored_strategy.MirroredExtended._create_variable(self, next_creator, **kwargs)
+
+    def _global_initial_value(self, value, name):
+        if self.hvd.size() == 1:
+            return value
+        return self.hvd.broadcast(value, root_rank=0, name=f"tfdist_init_{self._next()}")
 
     def _next(self) -> int:
         self._count += 1
@@ -83,12 +131,12 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
             return value.values[0]
         return value
 
-    def _reduce_to(self, reduce_op, value, destinations, options):
+    def _reduce_all(self, reduce_op, value, destinations, options):
         (reduced,) = self._allreduce(reduce_op, [self._local(value)])
         return values.Mirrored((reduced,)) if isinstance(value, values.DistributedValues) \
             else reduced
 
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    def _batch_reduce_all(self, reduce_op, value_destination_pairs, options):
         reduced = self._allreduce(reduce_op, [self._local(v) for v, _ in value_destination_pairs])
         return [values.Mirrored((r,)) for r in reduced]
 

@@ -178,33 +178,43 @@ def _source_or_none(t):
     return chain[-1] if chain else None
 
 
-class MeshExtended(mirrored_strategy.MirroredExtended):
-    """MirroredExtended whose variables may be shards; see the module docstring."""
+class ShardRouting:
+    """Mixin for a MirroredExtended whose variables may be `ShardedVariable`s.
 
-    def __init__(self, container_strategy, mesh, devices, engine):
-        # MirroredExtended refuses devices of several tasks in eager mode; a
-        # single controller driving remote workers (like TPUStrategy) is what
-        # tfdist's mesh over workers is, so initialise on the first device and
-        # then on all of them.
-        super().__init__(
-            container_strategy,
-            devices=devices[:1],
-            cross_device_ops=cross_device_ops_lib.ReductionToOneDevice(),
-        )
-        self._initialize_strategy(devices)
-        self.mesh = mesh
-        self.engine = engine
+    Routes each shard gradient to a reduction over the replicas that hold the
+    same shard (see the module docstring); every other value goes to the
+    subclass's `_reduce_all`/`_batch_reduce_all` (over all replicas). Needs
+    `self.engine` (a collective engine) and `self._devices` (local devices).
+    """
+
+    def _init_routing(self):
         self._record_graph = None
         self._reduced = {}
         self._foreign = set()
         self._marked = set()
 
-    # -- execution ---------------------------------------------------------
+    def mesh_device_index(self, local_replica: int) -> int:
+        """The mesh device index of this process's replica `local_replica`."""
+        return local_replica
 
-    def _use_merge_call(self):
-        return True
+    def _batch_reduce_all(self, reduce_op, value_destination_pairs, options):
+        return mirrored_strategy.MirroredExtended._batch_reduce_to(
+            self, reduce_op, value_destination_pairs, options)
+
+    def _reduce_all(self, reduce_op, value, destinations, options):
+        return mirrored_strategy.MirroredExtended._reduce_to(
+            self, reduce_op, value, destinations, options)
 
     # -- variables ---------------------------------------------------------
+
+    _sharded_variable_class = ShardedVariable
+
+    def _create_replicated_variable(self, next_creator, **kwargs):
+        return mirrored_strategy.MirroredExtended._create_variable(self, next_creator, **kwargs)
+
+    def _global_initial_value(self, value, name):
+        """The global initial value every process splits (hook: broadcast it)."""
+        return value
 
     def _create_variable(self, next_creator, **kwargs):
         layout = kwargs.pop(LAYOUT_KWARG, None)
@@ -212,7 +222,7 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         if layout is None and isinstance(colocate_with, ShardedVariable):
             layout = self._slot_layout(colocate_with, kwargs)
         if layout is None or not layout.is_sharded:
-            return super()._create_variable(next_creator, **kwargs)
+            return self._create_replicated_variable(next_creator, **kwargs)
         kwargs.pop("colocate_with", None)
         return self._create_sharded_variable(next_creator, layout, **kwargs)
 
@@ -253,6 +263,7 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
             with tf.device(self._devices[0]):
                 value = initial() if callable(initial) else initial
                 value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+                value = self._global_initial_value(value, kwargs.get("name"))
         if tuple(value.shape.as_list()) != layout.shape:
             raise ValueError(
                 f"Initial value of shape {tuple(value.shape.as_list())} for "
@@ -265,12 +276,13 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         for i, device in enumerate(self._devices):
             with tf.device(device), record.stop_recording():
                 shard_kwargs = dict(kwargs)
-                shard_kwargs["initial_value"] = tf.identity(shards[i])
+                shard_kwargs["initial_value"] = tf.identity(shards[self.mesh_device_index(i)])
                 if i > 0:
                     base = components[0].name.split(":")[0]
                     shard_kwargs["name"] = f"{base}/replica_{i}/"
                 components.append(next_creator(**shard_kwargs))
-        return ShardedVariable(self._container_strategy(), components, aggregation, layout)
+        return self._sharded_variable_class(
+            self._container_strategy(), components, aggregation, layout)
 
     # -- reductions --------------------------------------------------------
 
@@ -302,39 +314,53 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
 
         return read(value)
 
+    def _components(self, value):
+        """The per-replica tensors of `value`, or None if it is not a per-replica value.
+
+        With one local replica (HorovodStrategy) TF hands reductions and updates
+        the plain local tensor rather than a one-component `PerReplica`.
+        """
+        if isinstance(value, values.DistributedVariable):
+            return None
+        if isinstance(value, values.DistributedValues):
+            return value.values
+        if len(self._devices) == 1 and isinstance(value, (tf.Tensor, tf.IndexedSlices)):
+            return (value,)
+        return None
+
     def _is_marked(self, value) -> bool:
         """Whether every component forwards (through identities) a marked gradient."""
-        if not isinstance(value, values.PerReplica):
+        components = self._components(value)
+        if components is None:
             return False
         self._current_record()
         return all(
-            any(t.ref() in self._marked for t in _identity_chain(c)) for c in value.values
+            any(t.ref() in self._marked for t in _identity_chain(c)) for c in components
         )
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         marked = [self._is_marked(v) for v, _ in value_destination_pairs]
         others = [p for p, m in zip(value_destination_pairs, marked) if not m]
         reduced_others = iter(
-            super()._batch_reduce_to(reduce_op, others, options) if others else []
+            self._batch_reduce_all(reduce_op, others, options) if others else []
         )
         # Shard gradients pass through unreduced; `_update` reduces them per shard group.
         results = [v if m else next(reduced_others)
                    for (v, _), m in zip(value_destination_pairs, marked)]
         reduced = self._current_record()
         for (value, _), result in zip(value_destination_pairs, results):
-            if not isinstance(value, values.PerReplica) or not isinstance(
-                result, values.DistributedValues
-            ):
+            result_components = self._components(result)
+            if self._components(value) is None or result_components is None:
                 continue
             entry = (reduce_op, value)
-            for component in result.values:
+            for component in result_components:
                 src = _source_or_none(component)
                 if src is not None:
                     reduced[src.ref()] = entry
         return results
 
     def _reduce_to(self, reduce_op, value, destinations, options):
-        result = super()._reduce_to(reduce_op, value, destinations, options)
+        result = self._reduce_all(reduce_op, value, destinations, options)
         self._current_record()
         for component in getattr(result, "values", (result,)):
             src = _source_or_none(component)
@@ -349,12 +375,11 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
 
     def _shard_gradient(self, var: ShardedVariable, value):
         """Re-reduces a gradient of `var` over the replicas that share each shard."""
-        if not isinstance(value, values.DistributedValues) or isinstance(
-            value, values.DistributedVariable
-        ):
+        components = self._components(value)
+        if components is None:
             return value
         reduced = self._current_record()
-        sources = [_source_or_none(c) for c in value.values]
+        sources = [_source_or_none(c) for c in components]
         found = [reduced.get(s.ref()) if s is not None else None for s in sources]
         if all(f is None for f in found):
             if any(s is not None and s.ref() in self._foreign for s in sources) or any(
@@ -377,12 +402,37 @@ class MeshExtended(mirrored_strategy.MirroredExtended):
         reduce_op, unreduced = found[0]
         groups = var.layout.shard_owner_groups()
         out = []
-        for i, local in enumerate(unreduced.values):
-            group = next(g for g in groups if i in g)
+        for i, local in enumerate(self._components(unreduced)):
+            index = self.mesh_device_index(i)
+            group = next(g for g in groups if index in g)
             with tf.device(self._devices[i]):  # every op on the shard's device
                 local = tf.convert_to_tensor(local)  # IndexedSlices -> dense shard
-                summed = self.engine.all_reduce(local, i, group)
+                summed = self.engine.all_reduce(local, index, group)
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
                     summed = summed / len(group)
             out.append(summed)
         return values.PerReplica(tuple(out))
+
+
+class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
+    """MirroredExtended whose variables may be shards; see the module docstring."""
+
+    def __init__(self, container_strategy, mesh, devices, engine):
+        # MirroredExtended refuses devices of several tasks in eager mode; a
+        # single controller driving remote workers (like TPUStrategy) is what
+        # tfdist's mesh over workers is, so initialise on the first device and
+        # then on all of them.
+        super().__init__(
+            container_strategy,
+            devices=devices[:1],
+            cross_device_ops=cross_device_ops_lib.ReductionToOneDevice(),
+        )
+        self._initialize_strategy(devices)
+        self.mesh = mesh
+        self.engine = engine
+        self._init_routing()
+
+    # -- execution ---------------------------------------------------------
+
+    def _use_merge_call(self):
+        return True

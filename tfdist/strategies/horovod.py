@@ -5,6 +5,8 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.internal.horovod_extended import HorovodExtended
+from tfdist.mesh import Mesh
+from tfdist.strategies.horovod_mesh import HorovodEngine, init_with_process_sets
 
 _COMPRESSIONS = ("none", "fp16")
 
@@ -20,18 +22,46 @@ class HorovodStrategy(tf.distribute.Strategy):
     Write checkpoints and logs where `strategy.rank == 0`
     (`tfdist.callbacks.is_chief`).
 
+    With `mesh_shape` and `layout`, rank `r` is device `r` of the mesh: tfdist's
+    sharded layers (ShardedDense, ShardedSoftmax, MoE...) keep one shard per
+    rank and talk over Horovod process sets of the mesh axes (registered at
+    `hvd.init`, so create the strategy before anything else initialises
+    Horovod); a sharded weight's gradient is summed over the ranks holding the
+    same shard only. Global reads of sharded weights (`get_weights`,
+    `save_weights`, `tfdist.checkpoint.save_global`) all-gather the shards, so
+    every rank must make them together: save with
+    `tfdist.callbacks.BackupAndRestore` (all ranks gather, rank 0 writes), not
+    with a rank-0-only Keras `ModelCheckpoint`.
+
     Args:
         compression: "none" or "fp16" (gradients travel as float16).
         reduction: "sum" (ring all-reduce) or "adasum" (Horovod's Adasum;
             needs a Horovod built with MPI, else a clear error).
         device: this process's device (default: GPU `local_rank` if there are
             GPUs, else the CPU).
+        mesh_shape: Mesh-TF mesh shape over the ranks, e.g. `"data:2;model:4"`
+            for 8 ranks; its sizes must multiply to the number of ranks.
+            Default: `"data:<ranks>"` (pure data parallelism).
+        layout: Mesh-TF layout rules, e.g. `"batch:data;d_ff:model"`.
+
+    Example (4 ranks, Megatron MLP split over pairs of ranks):
+
+    ```python
+    strategy = HorovodStrategy(mesh_shape="data:2;model:2", layout="batch:data;d_ff:model")
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((16,)),
+            ShardedDense(64, kernel_axes=("d_model", "d_ff"), output_sharded=True),
+            ShardedDense(16, kernel_axes=("d_ff", "d_model"), input_sharded=True)])
+        model.compile("adam", "mse")
+    model.fit(x, y, batch_size=32)
+    ```
     """
 
     _collective_key_base = 90000  # read by MirroredExtended; TF's own collectives are unused
 
     def __init__(self, compression: str = "none", device: Optional[str] = None,
-                 reduction: str = "sum"):
+                 reduction: str = "sum", mesh_shape=None, layout=None):
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
                              f"received compression={compression!r}.")
@@ -47,13 +77,20 @@ class HorovodStrategy(tf.distribute.Strategy):
             raise ValueError("reduction='adasum' needs Horovod built with MPI; this build has "
                              "only Gloo (scripts/install_horovod.sh builds without MPI). "
                              "Use reduction='sum'.")
-        hvd.init()
+        mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
+        if mesh is None:
+            hvd.init()
+            mesh = Mesh.parse(f"data:{hvd.size()}", layout)
+        engine = HorovodEngine(hvd, init_with_process_sets(hvd, mesh))
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
         codec = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
-        super().__init__(HorovodExtended(self, hvd, device, codec, adasum=reduction == "adasum"))
+        super().__init__(HorovodExtended(self, hvd, device, codec, mesh, engine,
+                                         adasum=reduction == "adasum"))
         self.hvd = hvd
+        self.mesh = mesh
+        self.engine = engine
 
     @property
     def rank(self) -> int:
@@ -62,3 +99,24 @@ class HorovodStrategy(tf.distribute.Strategy):
     @property
     def size(self) -> int:
         return self.hvd.size()
+
+    def gather_local_results(self, local):
+        """Every rank's list `local` of numpy arrays (same shapes), concatenated in rank order.
+
+        A collective: every rank calls it together.
+        """
+        import numpy as np
+
+        stacked = self.hvd.allgather(tf.convert_to_tensor(np.stack(local)),
+                                     name=f"tfdist_results_{self.extended._next()}")
+        return list(stacked.numpy())
+
+    @property
+    def collective_weight_reads(self) -> bool:
+        """Whether reading a weight globally is a collective (some layout rule splits)."""
+        return any(self.mesh.axis_size(axis) > 1 and logical != "batch"
+                   for logical, axis in self.mesh.rules.rules)
+
+    def __repr__(self):
+        return (f"HorovodStrategy(mesh_shape={self.mesh.shape.to_string()!r}, "
+                f"layout={self.mesh.rules.to_string()!r})")

@@ -56,6 +56,17 @@ class EquivalenceReport:
                 f"{self.weights:.1e}, optimizer variables {self.optimizer_variables:.1e}")
 
 
+def _per_device(strategy, value):
+    """Numpy values of a per-replica `value` for every mesh device, in device order.
+
+    A strategy whose replicas live in several processes (HorovodStrategy)
+    gathers them with `gather_local_results` (a collective: all processes).
+    """
+    local = [np.asarray(v.numpy()) for v in strategy.experimental_local_results(value)]
+    gather = getattr(strategy, "gather_local_results", None)
+    return gather(local) if gather is not None else local
+
+
 def _global_gradients(strategy, model, loss_fn, x, y):
     """Loss and global gradients of one global batch, computed on `strategy`."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
@@ -77,13 +88,13 @@ def _global_gradients(strategy, model, loss_fn, x, y):
         return strategy.run(replica_fn, args=batch)
 
     losses, added, grads = step(batch)
-    loss = np.sum([l.numpy() for l in strategy.experimental_local_results(losses)])
-    added = np.sum([a.numpy() for a in strategy.experimental_local_results(added)])
+    loss = np.sum(_per_device(strategy, losses))
+    added = np.sum(_per_device(strategy, added))
     result = []
     for var, grad in zip(variables, grads):
         if grad is None or any(g is None for g in strategy.experimental_local_results(grad)):
             raise AssertionError(f"no gradient for {var.path}: {grad}")
-        shards = [g.numpy() for g in strategy.experimental_local_results(grad)]
+        shards = _per_device(strategy, grad)
         layout = getattr(var.value, "layout", None)
         if layout is None:
             result.append(np.sum(shards, axis=0))
