@@ -18,6 +18,7 @@ parser.add_argument("--compression", default="none")
 parser.add_argument("--steps_per_execution", type=int, default=1)
 parser.add_argument("--die_rank", type=int, default=-1, help="This rank dies at epoch 1.")
 parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--pid_dir", default="", help="Each rank writes rank-<r>.pid at epoch 1.")
 args = parser.parse_args()
 
 import keras  # noqa: E402
@@ -49,6 +50,9 @@ initial = [w.copy() for w in model.get_weights()]
 
 class Die(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1 and args.pid_dir:
+            with open(os.path.join(args.pid_dir, f"rank-{strategy.rank}.pid"), "w") as f:
+                f.write(str(os.getpid()))
         if epoch == 1 and strategy.rank == args.die_rank:
             print(f"rank {strategy.rank}: dying", flush=True)
             os._exit(17)

@@ -1,5 +1,6 @@
 """HorovodStrategy: data parallelism over Horovod ranks for an unmodified Keras 3 `fit`."""
 
+import os
 from typing import Optional
 
 import tensorflow as tf
@@ -9,6 +10,7 @@ from tfdist.mesh import Mesh
 from tfdist.strategies.horovod_mesh import HorovodEngine, init_with_process_sets
 
 _COMPRESSIONS = ("none", "fp16")
+GLOO_TIMEOUT_SECONDS = 30  # HOROVOD_GLOO_TIMEOUT_SECONDS unless the environment sets it
 
 
 class HorovodStrategy(tf.distribute.Strategy):
@@ -78,6 +80,8 @@ class HorovodStrategy(tf.distribute.Strategy):
                              "only Gloo (scripts/install_horovod.sh builds without MPI). "
                              "Use reduction='sum'.")
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
+        # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
         if mesh is None:
             hvd.init()
             mesh = Mesh.parse(f"data:{hvd.size()}", layout)
