@@ -1,5 +1,6 @@
 """Keras layers whose weights declare logical axes and compute on their shard."""
 
+from tfdist.layers.attention import ShardedAttention
 from tfdist.layers.dense import ShardedDense
 from tfdist.layers.embedding import ShardedEmbedding
 from tfdist.layers.moe import MoE
@@ -13,6 +14,7 @@ from tfdist.layers.weights import add_sharded_weight
 
 __all__ = [
     "MoE",
+    "ShardedAttention",
     "ShardedDense",
     "ShardedEmbedding",
     "ShardedSoftmax",

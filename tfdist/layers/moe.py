@@ -167,8 +167,10 @@ class MoE(keras.layers.Layer):
         min_capacity: the least capacity per expert and group.
         second_expert_policy: `all`, `sampling` or `threshold` (top-2 only).
         second_expert_threshold: threshold of the two policies above.
-        group_size: S, tokens per dispatch group; must divide the tokens each
-            replica holds (batch * length).
+        group_size: S, tokens per dispatch group; in training it must divide
+            the tokens each replica holds (batch * length); in inference a
+            smaller group (the largest that divides the tokens) is used
+            where it does not.
         aux_loss_coef: weight of GShard's load-balancing loss (Mesh-TF: 1e-2).
         z_loss_coef: weight of the router z-loss (ST-MoE).
         router_jitter: in training, multiply router inputs by noise drawn
@@ -176,6 +178,10 @@ class MoE(keras.layers.Layer):
         activation: expert activation.
         dropout: dropout rate on the expert hidden activations.
         seed: seed for jitter, dropout and sampling.
+        hidden_axis: the logical axis of the experts' hidden dimension
+            ("d_ff", or None to never split it: for a layout that splits
+            `experts` and `d_ff` over the same mesh axis, as a transformer
+            whose dense FFNs split `d_ff` does).
 
     Input shape: `[batch, length, d_model]` or `[batch, d_model]`.
     Output shape: the same.
@@ -210,6 +216,7 @@ class MoE(keras.layers.Layer):
         activation="relu",
         dropout=0.0,
         seed=None,
+        hidden_axis="d_ff",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -253,6 +260,9 @@ class MoE(keras.layers.Layer):
         self.activation = keras.activations.get(activation)
         self.dropout = float(dropout)
         self.seed = seed
+        if hidden_axis not in ("d_ff", None):
+            raise ValueError(f"`hidden_axis` must be 'd_ff' or None. Received: {hidden_axis!r}")
+        self.hidden_axis = hidden_axis
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
@@ -266,9 +276,9 @@ class MoE(keras.layers.Layer):
         E, H = self.num_experts, self.d_ff
         self.router = add_sharded_weight(self, "router", (d_model, E), ("d_model", None),
                                          initializer="glorot_uniform")
-        self.wi = add_sharded_weight(self, "wi", (E, d_model, H), ("experts", "d_model", "d_ff"),
+        self.wi = add_sharded_weight(self, "wi", (E, d_model, H), ("experts", "d_model", self.hidden_axis),
                                      initializer=keras.initializers.VarianceScaling(1.0, "fan_in"))
-        self.wo = add_sharded_weight(self, "wo", (E, H, d_model), ("experts", "d_ff", "d_model"),
+        self.wo = add_sharded_weight(self, "wo", (E, H, d_model), ("experts", self.hidden_axis, "d_model"),
                                      initializer=keras.initializers.VarianceScaling(1.0, "fan_in"))
         layout = self.weight_layouts["wi"]
         self._expert_axis = sharded_mesh_axis(layout, 0)
@@ -293,6 +303,10 @@ class MoE(keras.layers.Layer):
             tokens = collectives.all_gather(tokens, self._ff_axis, dim=0)  # [T*A, M]
         num_tokens = tokens.shape[0]
         S = self.group_size
+        if num_tokens is not None and num_tokens % S and not training:
+            # Inference (e.g. a decoding step of batch * beam tokens): the
+            # largest group size that divides the tokens, at most group_size.
+            S = math.gcd(num_tokens, S)
         if num_tokens is None or num_tokens % S:
             raise ValueError(
                 f"Layer {self.name!r}: group_size={S} must divide the {num_tokens} "
@@ -361,5 +375,6 @@ class MoE(keras.layers.Layer):
             activation=keras.activations.serialize(self.activation),
             dropout=self.dropout,
             seed=self.seed,
+            hidden_axis=self.hidden_axis,
         )
         return config

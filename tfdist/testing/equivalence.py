@@ -56,6 +56,11 @@ class EquivalenceReport:
                 f"{self.weights:.1e}, optimizer variables {self.optimizer_variables:.1e}")
 
 
+def _rows(x, n):
+    """The first `n` rows of an array or of each array of a tuple/dict."""
+    return tf.nest.map_structure(lambda a: a[:n], x)
+
+
 def _per_device(strategy, value):
     """Numpy values of a per-replica `value` for every mesh device, in device order.
 
@@ -69,7 +74,7 @@ def _per_device(strategy, value):
 
 def _global_gradients(strategy, model, loss_fn, x, y):
     """Loss and global gradients of one global batch, computed on `strategy`."""
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(y))
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
     variables = model.trainable_variables
     n = strategy.num_replicas_in_sync
@@ -119,6 +124,7 @@ def compare_with_reference(
     seed: int = 0,
     reference_loss=None,
     compare_outputs: bool = True,
+    reference: Callable[[], keras.Model] = None,
 ) -> EquivalenceReport:
     """Trains `build_model()` on `strategy` and its reference on one device.
 
@@ -137,9 +143,14 @@ def compare_with_reference(
         compare_outputs: compare `predict` outputs (off for models whose
             outputs are shards, such as `ShardedSoftmax` logits; forward is then
             reported as 0 and covered by the loss).
+        reference: builds the single-device reference (called outside any
+            strategy); default: `build_model()` with each tfdist layer replaced
+            by its plain Keras twin (`reference_model`), which needs a
+            functional model. A subclassed model is its own reference on one
+            device, where every collective is the identity.
     """
     keras.utils.set_random_seed(seed)
-    reference = reference_model(build_model())
+    reference = reference_model(build_model()) if reference is None else reference()
     with strategy.scope():
         model = build_model()
     model.set_weights(reference.get_weights())
@@ -150,17 +161,17 @@ def compare_with_reference(
     loss_fn = loss
 
     forward = 0.0
+    x1, y1 = _rows(x, batch_size), _rows(y, batch_size)
     if compare_outputs:
         forward = max_rel_diff(
-            model.predict(x[:batch_size], batch_size=batch_size, verbose=0),
-            reference.predict(x[:batch_size], batch_size=batch_size, verbose=0),
+            model.predict(x1, batch_size=batch_size, verbose=0),
+            reference.predict(x1, batch_size=batch_size, verbose=0),
         )
-    loss_value, added, grads = _global_gradients(
-        strategy, model, loss_fn, x[:batch_size], y[:batch_size])
+    loss_value, added, grads = _global_gradients(strategy, model, loss_fn, x1, y1)
     with tf.GradientTape() as tape:
-        predictions = reference(x[:batch_size], training=True)
+        predictions = reference(x1, training=True)
         ref_added = tf.add_n(reference.losses) if reference.losses else tf.constant(0.0)
-        ref_loss = reference_loss(y[:batch_size], predictions) + ref_added
+        ref_loss = reference_loss(y1, predictions) + ref_added
     ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
     gradients = max(max_rel_diff(g, tf.convert_to_tensor(r)) for g, r in zip(grads, ref_grads))
 
@@ -168,8 +179,9 @@ def compare_with_reference(
         model.compile(optimizer=optimizer(), loss=loss)
     reference.compile(optimizer=optimizer(), loss=reference_loss)
     n = steps * batch_size
-    model.fit(x[:n], y[:n], batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-    reference.fit(x[:n], y[:n], batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    model.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    reference.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
     weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(), reference.get_weights()))
     slots = max(
         max_rel_diff(a.numpy(), b.numpy())

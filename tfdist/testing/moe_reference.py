@@ -21,7 +21,7 @@ class ReferenceMoE(keras.layers.Layer):
                  eval_capacity_factor=2.0, min_capacity=4, group_size=1024,
                  aux_loss_coef=1e-2, z_loss_coef=0.0, activation="relu", **kwargs):
         for unsupported in ("second_expert_policy", "second_expert_threshold",
-                            "router_jitter", "dropout", "seed"):
+                            "router_jitter", "dropout", "seed", "hidden_axis"):
             kwargs.pop(unsupported, None)
         super().__init__(**kwargs)
         self.num_experts, self.d_ff, self.top_k = num_experts, d_ff, top_k

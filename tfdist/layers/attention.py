@@ -1,0 +1,154 @@
+"""ShardedAttention: multi-head attention whose heads are split by the layout rules.
+
+Weights (no biases, as in Mesh-TF/T5): `query`, `key`, `value`
+`[d_model, heads, d_kv]` and `output` `[heads, d_kv, d_model]`, logical axes
+`heads` and `d_kv`. With `heads:model` (mesh axis of size M) each device
+holds H/M heads — Megatron's attention: the replica's batch is gathered over
+the axis, every device attends with its own heads over all gathered rows, and
+the output projection's partial sums are reduce-scattered back to the
+replica's rows:
+
+    query [b, Lq, d] -> all_gather -> [b*M, Lq, d] -> heads H/M -> [b*M, Lq, d] partial
+                     -> reduce_scatter -> [b, Lq, d]
+
+Decoding (outside a replica: every weight reads globally) uses `project_kv`,
+`project_query` and `attend` with a key/value cache preallocated to the
+maximum length and written at one position per step (`write_cache`).
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist.layers.weights import (
+    add_sharded_weight,
+    check_positive_int,
+    disable_jit_on_multi_device_mesh,
+    sharded_mesh_axis,
+)
+
+NEG_INF = -1e9
+
+
+def padding_bias(key_mask):
+    """`[b, Lk]` 1/0 validity of keys -> additive bias `[b, 1, 1, Lk]`."""
+    return (1.0 - tf.cast(key_mask, "float32"))[:, None, None, :] * NEG_INF
+
+
+def causal_bias(length):
+    """`[1, 1, L, L]` bias that hides later positions."""
+    allowed = tf.linalg.band_part(tf.ones([length, length]), -1, 0)
+    return ((1.0 - allowed) * NEG_INF)[None, None]
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ShardedAttention(keras.layers.Layer):
+    """Multi-head dot-product attention with heads split by the layout rules.
+
+    Args:
+        num_heads: H.
+        d_kv: size of each head's keys, values and queries.
+        dropout: dropout rate on the attention probabilities (training only).
+        kernel_initializer: Keras initializer for the four kernels.
+        seed: dropout seed.
+
+    Call arguments:
+        query: `[b, Lq, d_model]`.
+        memory: `[b, Lk, d_model]` to attend over (None: self-attention).
+        key_mask: `[b, Lk]` 1 for real keys, 0 for padding (optional).
+        causal: hide later positions (self-attention in a decoder).
+        training: apply dropout.
+
+    Output shape: `[b, Lq, d_model]`.
+
+    Example:
+
+    ```python
+    attention = ShardedAttention(num_heads=8, d_kv=64)   # with "heads:model": 8/M heads per device
+    y = attention(x, key_mask=source_mask)
+    ```
+    """
+
+    def __init__(self, num_heads, d_kv, dropout=0.0, kernel_initializer="glorot_uniform",
+                 seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.d_kv = check_positive_int("d_kv", d_kv)
+        if not 0 <= dropout < 1:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        self.dropout = float(dropout)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.weight_layouts = {}
+        disable_jit_on_multi_device_mesh(self)
+
+    def build(self, query_shape, memory_shape=None):
+        d_model = int(query_shape[-1])
+        shape, axes = (d_model, self.num_heads, self.d_kv), ("d_model", "heads", "d_kv")
+        for name in ("query", "key", "value"):
+            setattr(self, name, add_sharded_weight(self, name, shape, axes,
+                                                   initializer=self.kernel_initializer))
+        self.output_kernel = add_sharded_weight(
+            self, "output", (self.num_heads, self.d_kv, d_model), ("heads", "d_kv", "d_model"),
+            initializer=self.kernel_initializer)
+        layout = self.weight_layouts["query"]
+        if sharded_mesh_axis(layout, 0) or sharded_mesh_axis(layout, 2):
+            raise ValueError(f"Layer {self.name!r}: {layout} splits d_model or d_kv; "
+                             f"ShardedAttention splits only heads.")
+        self._heads_axis = sharded_mesh_axis(layout, 1)
+
+    # -- pieces, also used by cached decoding --------------------------------
+
+    def project_query(self, x):
+        """`[b, L, d] -> [b, H_local, L, d_kv]`, scaled by `d_kv ** -0.5`."""
+        return tf.einsum("bld,dhk->bhlk", x, self.query) * (self.d_kv ** -0.5)
+
+    def project_kv(self, memory):
+        """`[b, L, d] ->` keys and values `[b, H_local, L, d_kv]`."""
+        return (tf.einsum("bld,dhk->bhlk", memory, self.key),
+                tf.einsum("bld,dhk->bhlk", memory, self.value))
+
+    def attend(self, q, k, v, bias=None, training=None):
+        """Softmax attention of `q` over `k`/`v`, then the output projection: `[b, Lq, d]`."""
+        logits = tf.einsum("bhqk,bhlk->bhql", q, k)
+        if bias is not None:
+            logits = logits + tf.cast(bias, logits.dtype)
+        probs = tf.nn.softmax(tf.cast(logits, "float32"), axis=-1)
+        if training and self.dropout:
+            probs = keras.random.dropout(probs, self.dropout, seed=self.seed_generator)
+        context = tf.einsum("bhql,bhlk->bhqk", tf.cast(probs, v.dtype), v)
+        return tf.einsum("bhqk,hkd->bqd", context, self.output_kernel)
+
+    @staticmethod
+    def write_cache(cache, value, index):
+        """`cache [b, H, L_max, d_kv]` with position `index` set to `value [b, H, 1, d_kv]`."""
+        at = tf.one_hot(index, tf.shape(cache)[2], dtype=cache.dtype)[None, None, :, None]
+        return cache * (1.0 - at) + value * at
+
+    # -- training / evaluation ------------------------------------------------
+
+    def call(self, query, memory=None, key_mask=None, causal=False, training=None):
+        axis = self._heads_axis
+        query_all = collectives.all_gather(query, axis, dim=0)  # [b*M, Lq, d]
+        memory_all = query_all if memory is None else collectives.all_gather(memory, axis, dim=0)
+        bias = None
+        if key_mask is not None:
+            mask = tf.stop_gradient(tf.cast(key_mask, query.dtype))
+            bias = padding_bias(collectives.all_gather(mask, axis, dim=0))
+        if causal:
+            causal_part = causal_bias(tf.shape(query_all)[1])
+            bias = causal_part if bias is None else bias + causal_part
+        k, v = self.project_kv(memory_all)
+        partial = self.attend(self.project_query(query_all), k, v, bias, training)
+        return collectives.reduce_scatter(partial, axis, dim=0)  # [b, Lq, d]
+
+    def compute_output_shape(self, query_shape, memory_shape=None):
+        return tuple(query_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_heads=self.num_heads, d_kv=self.d_kv, dropout=self.dropout,
+                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+                      seed=self.seed)
+        return config

@@ -1,0 +1,264 @@
+"""An encoder–decoder NMT Transformer whose weights the layout rules split.
+
+Pre-layer-norm, sinusoidal or learned positions, source/target embeddings
+optionally shared, output projection tied to the target embedding (Press &
+Wolf 2017). Logical axes: `heads` (attention), `d_ff` (feed-forward), `vocab`
+(embeddings and the tied softmax), `experts` (MoE in every other FFN). With
+`heads:model;d_ff:model;vocab:model` a `data:N;model:M` mesh runs
+Megatron-style tensor parallelism over M devices and data parallelism over N.
+
+Training outputs are the logits of the vocabulary shard each device holds
+(`[b*M, Lt, V/M]`, rows gathered over the vocabulary's mesh axis; `[b, Lt, V]`
+on one device): train with `SequenceCrossentropy`, which never builds the
+full `[tokens, V]` matrix. `translate` decodes outside a replica with global
+weights and a key/value cache (each step runs the decoder on one position):
+greedy or beam search with GNMT's length penalty, XLA-compiled by default.
+
+Example:
+
+```python
+config = TransformerConfig(vocab_size=512, d_model=128, num_heads=4, d_ff=512)
+strategy = MeshStrategy("data:2;model:2", "batch:data;heads:model;d_ff:model;vocab:model")
+with strategy.scope():
+    model = Transformer(config)
+    model.compile(keras.optimizers.Adam(InverseSqrtSchedule(128, 4000)),
+                  SequenceCrossentropy(512, label_smoothing=0.1))
+model.fit(dataset)                       # ((source, decoder_input), target) batches
+ids = model.translate(source_ids, beam_size=4, alpha=0.6)
+```
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist.layers import ShardedEmbedding
+from tfdist.layers.attention import padding_bias
+from tfdist.layers.sharded_softmax import class_axis, sharded_cross_entropy
+from tfdist.layers.weights import sharded_mesh_axis
+from tfdist.models import decoding
+from tfdist.models.transformer_layers import (
+    DecoderBlock,
+    EncoderBlock,
+    TransformerConfig,
+    sinusoids,
+)
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class Transformer(keras.Model):
+    """Encoder–decoder Transformer; call on `(source_ids, decoder_input_ids)`.
+
+    Args:
+        config: a `TransformerConfig` (or its dict).
+
+    Call: `source_ids [b, Ls]`, `decoder_input_ids [b, Lt]` (BOS + target),
+    int, 0 = padding. Returns the logits' vocabulary shard (see module doc).
+    """
+
+    def __init__(self, config, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(config, dict):
+            config = TransformerConfig(**config)
+        self.model_config = c = config.validate()
+        init = keras.initializers.RandomNormal(stddev=c.d_model ** -0.5)
+        self.target_embedding = ShardedEmbedding(c.vocab_size, c.d_model,
+                                                 embeddings_initializer=init,
+                                                 name="target_embedding")
+        self.source_embedding = self.target_embedding if c.share_embeddings else \
+            ShardedEmbedding(c.vocab_size, c.d_model, embeddings_initializer=init,
+                             name="source_embedding")
+        self.encoder_blocks = [EncoderBlock(c, i, name=f"encoder_{i}")
+                               for i in range(c.num_encoder_layers)]
+        self.decoder_blocks = [DecoderBlock(c, i, name=f"decoder_{i}")
+                               for i in range(c.num_decoder_layers)]
+        self.encoder_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")
+        self.decoder_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="decoder_norm")
+        self.drop = keras.layers.Dropout(c.dropout)
+        self._decoders = {}
+        self.build()
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        c = self.model_config
+        self.target_embedding.build()
+        if not self.model_config.share_embeddings:
+            self.source_embedding.build()
+        if c.positions == "learned":
+            self.position_table = self.add_weight(
+                name="positions", shape=(c.max_length, c.d_model),
+                initializer=keras.initializers.RandomNormal(stddev=0.02))
+        else:
+            self.position_table = tf.constant(sinusoids(c.max_length, c.d_model))
+        shape = (None, None, c.d_model)
+        for layer in [*self.encoder_blocks, *self.decoder_blocks, self.encoder_norm,
+                      self.decoder_norm]:
+            layer.build(shape)
+        self._vocab_axis = sharded_mesh_axis(self.target_embedding.weight_layouts["embeddings"], 0)
+        self.built = True
+
+    # -- pieces ---------------------------------------------------------------
+
+    def _embed(self, embedding, ids, start=0, training=None):
+        x = embedding(ids) * (self.model_config.d_model ** 0.5)
+        length = tf.shape(ids)[1]
+        x = x + tf.cast(self.position_table, x.dtype)[start:start + length][None]
+        return self.drop(x, training=training)
+
+    def encode(self, source_ids, training=None):
+        """`source_ids [b, Ls]` -> (memory `[b, Ls, d]`, source mask `[b, Ls]` float)."""
+        mask = tf.cast(tf.not_equal(source_ids, PAD_ID), self.compute_dtype)
+        x = self._embed(self.source_embedding, source_ids, training=training)
+        for block in self.encoder_blocks:
+            x = block(x, source_mask=mask, training=training)
+        return self.encoder_norm(x), mask
+
+    def decode(self, decoder_input_ids, memory, memory_mask, training=None):
+        """Decoder states `[b, Lt, d]` (before the output projection)."""
+        x = self._embed(self.target_embedding, decoder_input_ids, training=training)
+        for block in self.decoder_blocks:
+            x = block(x, memory, memory_mask=memory_mask, training=training)
+        return self.decoder_norm(x)
+
+    def output_logits(self, states):
+        """Tied projection onto this device's vocabulary shard: `[b*M, L, V/M]`."""
+        states_all = collectives.all_gather(states, self._vocab_axis, dim=0)
+        return tf.einsum("bld,vd->blv", states_all, self.target_embedding.embeddings)
+
+    def call(self, inputs, training=None):
+        source_ids, decoder_input_ids = inputs
+        memory, mask = self.encode(source_ids, training=training)
+        return self.output_logits(self.decode(decoder_input_ids, memory, mask, training=training))
+
+    def compute_output_spec(self, inputs, training=None):
+        source_ids, decoder_input_ids = inputs
+        return keras.KerasTensor(tuple(decoder_input_ids.shape) + (self.model_config.vocab_size,),
+                                 dtype=self.compute_dtype)
+
+    # -- decoding -------------------------------------------------------------
+
+    def initial_cache(self, memory, memory_mask, max_length):
+        """Per-layer caches: preallocated keys/values and the encoder's keys/values."""
+        c = self.model_config
+        n = tf.shape(memory)[0]
+        layers = []
+        for block in self.decoder_blocks:
+            memory_keys, memory_values = block.cross_attention.project_kv(memory)
+            empty = tf.zeros([n, c.num_heads, max_length, c.d_kv], memory.dtype)
+            layers.append({"keys": empty, "values": empty, "memory_keys": memory_keys,
+                           "memory_values": memory_values,
+                           "memory_bias": padding_bias(memory_mask)})
+        return {"layers": layers}
+
+    def decode_step(self, ids, index, cache):
+        """`decoding.step_fn`: the logits `[N, V]` after token `ids [N]` at `index`."""
+        x = self.target_embedding(ids[:, None]) * (self.model_config.d_model ** 0.5)
+        x = x + tf.cast(tf.gather(self.position_table, index), x.dtype)[None, None]
+        layers = []
+        for block, layer_cache in zip(self.decoder_blocks, cache["layers"]):
+            x, layer_cache = block.step(x, index, layer_cache)
+            layers.append(layer_cache)
+        logits = self.output_logits(self.decoder_norm(x))[:, 0, :]
+        return tf.cast(logits, "float32"), {"layers": layers}
+
+    def translate(self, source_ids, beam_size=4, alpha=0.6, max_length=None, jit_compile=True):
+        """Target ids `[b, max_length]` (EOS included, then 0s) for `source_ids [b, Ls]`.
+
+        Greedy when `beam_size == 1`, else beam search with GNMT's length
+        penalty `alpha`. Runs outside any replica on the global weights (a
+        model trained on any mesh), XLA-compiled unless `jit_compile=False`
+        or the weights live on several devices (XLA cannot read those; load
+        the checkpoint into a model on one device to decode fast).
+        """
+        max_length = max_length or self.model_config.max_length
+        if max_length > self.model_config.max_length:
+            raise ValueError(f"max_length={max_length} exceeds the model's position table "
+                             f"({self.model_config.max_length}).")
+        mesh = getattr(self.distribute_strategy, "mesh", None)
+        if jit_compile and mesh is not None and len(self.distribute_strategy.extended.worker_devices) > 1:
+            jit_compile = False  # XLA cannot read variables that live on other devices
+        key = (beam_size, float(alpha), max_length, jit_compile)
+        if key not in self._decoders:
+            self._decoders[key] = tf.function(
+                lambda src: self._search(src, beam_size, alpha, max_length),
+                jit_compile=jit_compile, reduce_retracing=True)
+        return self._decoders[key](tf.convert_to_tensor(source_ids, "int32"))
+
+    def _search(self, source_ids, beam_size, alpha, max_length):
+        memory, mask = self.encode(source_ids, training=False)
+        cache = self.initial_cache(memory, mask, max_length)
+        start = tf.fill([tf.shape(source_ids)[0]], BOS_ID)
+        if beam_size == 1:
+            ids, _ = decoding.greedy_search(self.decode_step, start, cache, max_length, EOS_ID)
+            return ids
+        ids, _ = decoding.beam_search(self.decode_step, start, cache, beam_size, max_length,
+                                      EOS_ID, alpha=alpha)
+        return ids[:, 0]
+
+    def get_config(self):
+        return {**super().get_config(), "config": dataclasses.asdict(self.model_config)}
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class SequenceCrossentropy(keras.losses.Loss):
+    """Label-smoothed cross-entropy per target token over the global vocabulary.
+
+    Padding (id 0) is masked and the loss is the mean over the *global*
+    batch's real tokens: each replica returns its tokens' losses divided by
+    the token count summed over every mesh axis, and the `sum` reduction
+    adds them up, so any mesh trains exactly like one device. Works on the
+    vocabulary shards `Transformer` returns (and on full logits on one device).
+
+    Args:
+        vocab_size: the global V.
+        label_smoothing: epsilon over the V classes.
+    """
+
+    def __init__(self, vocab_size, label_smoothing=0.0, name="sequence_crossentropy", **kwargs):
+        kwargs.pop("reduction", None)
+        super().__init__(name=name, reduction="sum", **kwargs)
+        self.vocab_size = vocab_size
+        self.label_smoothing = float(label_smoothing)
+
+    def call(self, y_true, y_pred):
+        labels = tf.cast(tf.reshape(y_true, [-1]), "int32")
+        logits = tf.reshape(y_pred, [-1, tf.shape(y_pred)[-1]])
+        losses = sharded_cross_entropy(labels, logits, self.vocab_size, class_axis("vocab"),
+                                       self.label_smoothing)
+        weights = tf.cast(tf.not_equal(labels, PAD_ID), losses.dtype)
+        tokens = tf.reduce_sum(weights)
+        for axis in collectives.current_mesh().shape.names:
+            tokens = collectives.psum(tokens, axis)
+        return tf.reshape(losses * weights, tf.shape(y_true)) / tf.maximum(tokens, 1.0)
+
+    def get_config(self):
+        return {"name": self.name, "vocab_size": self.vocab_size,
+                "label_smoothing": self.label_smoothing}
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class InverseSqrtSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up then inverse square root (Vaswani et al. 2017), scaled.
+
+    `lr(step) = scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)`
+    with `step` counted from 1.
+    """
+
+    def __init__(self, d_model, warmup_steps=4000, scale=1.0):
+        self.d_model = d_model
+        self.warmup_steps = warmup_steps
+        self.scale = scale
+
+    def __call__(self, step):
+        step = tf.cast(step, "float32") + 1.0
+        return self.scale * self.d_model ** -0.5 * tf.minimum(
+            tf.math.rsqrt(step), step * self.warmup_steps ** -1.5)
+
+    def get_config(self):
+        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}
