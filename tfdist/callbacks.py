@@ -91,6 +91,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 found[int(stem)] = os.path.join(self.backup_dir, name)
         return found
 
+    def latest_epoch(self) -> int:
+        """The epoch (0-based) of the newest complete backup, or -1 if there is none.
+
+        `fit` resumes at `latest_epoch() + 1`; a repeated dataset can skip the
+        batches of the epochs already done so the run continues where it stopped.
+        """
+        return max(self._backups(), default=-1)
+
     def on_train_begin(self, logs=None):
         backups = self._backups()
         if not backups:

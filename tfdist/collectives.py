@@ -280,7 +280,7 @@ def _exchange(ctx, x, split_dim):
     """Sends part j of `x` (split on `split_dim`) to peer j; stacks what arrives."""
     split_dim = split_dim % x.shape.rank
     n = x.shape[split_dim]
-    if n is None or n % ctx.size:
+    if n is not None and n % ctx.size:  # unknown until run time: tf.split checks it then
         raise ValueError(
             f"Dimension {split_dim} of size {n} does not divide by the "
             f"{ctx.size} devices of the mesh axis."

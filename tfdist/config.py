@@ -130,3 +130,131 @@ class XCConfig:
         if bool(self.train_file) != bool(self.test_file):
             raise ValueError("Give both train_file and test_file, or neither (synthetic data).")
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and options of a `Transformer` (plain data; `validate()` checks it)."""
+
+    vocab_size: int
+    d_model: int = 256
+    num_heads: int = 4
+    d_kv: int = 64
+    d_ff: int = 1024
+    num_encoder_layers: int = 3
+    num_decoder_layers: int = 3
+    max_length: int = 64
+    dropout: float = 0.1
+    positions: str = "sinusoidal"
+    share_embeddings: bool = True
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_group_size: int = 64
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss_coef: float = 1e-2
+
+    def validate(self) -> "TransformerConfig":
+        for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
+                     "moe_group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
+        for name in ("num_encoder_layers", "num_decoder_layers", "moe_experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; received {getattr(self, name)!r}.")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1); received dropout={self.dropout!r}.")
+        if self.positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned'; received "
+                             f"positions={self.positions!r}.")
+        if self.moe_experts and self.moe_top_k not in (1, 2):
+            raise ValueError(f"moe_top_k must be 1 or 2; received {self.moe_top_k!r}.")
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}.")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class NMTConfig:
+    """A translation run (scripts/train_nmt.py).
+
+    Args:
+        mesh: where it runs; rules for `heads`, `d_ff`, `vocab`, `experts`.
+        model: the `TransformerConfig` (its `vocab_size` is the tokenizer's).
+        corpus: built-in corpus `numbers-de` or `numbers-fr`, used unless
+            `train_src`/`train_tgt` or `train_tsv` are given.
+        train_src, train_tgt, test_src, test_tgt: line-aligned text files.
+        train_tsv, test_tsv: `source<TAB>target` files.
+        num_train, num_test: sizes of the built-in corpus.
+        spm_model: a SentencePiece `.model` to load instead of training one.
+        vocab_size: SentencePiece vocabulary to train (rounded to a multiple
+            of the vocabulary's mesh axis).
+        max_tokens: tokens (batch * padded length) per global batch.
+        steps, eval_every: optimizer steps; BLEU/checkpoint every so many.
+        learning_rate_scale, warmup_steps: `InverseSqrtSchedule`, or with
+            `schedule="constant"` a constant `learning_rate_scale * 1e-3`.
+        label_smoothing: epsilon of the loss.
+        beam_size, alpha: decoding for BLEU (beam 1 = greedy).
+        eval_sentences: held-out sentences translated at each evaluation.
+        seed: data order and initial weights.
+    """
+
+    mesh: MeshConfig = MeshConfig("data:1;model:1", "batch:data;heads:model;d_ff:model;vocab:model")
+    model: TransformerConfig = None
+    corpus: str = "numbers-de"
+    train_src: str = ""
+    train_tgt: str = ""
+    test_src: str = ""
+    test_tgt: str = ""
+    train_tsv: str = ""
+    test_tsv: str = ""
+    num_train: int = 20_000
+    num_test: int = 500
+    spm_model: str = ""
+    vocab_size: int = 256
+    max_tokens: int = 2048
+    steps: int = 2000
+    eval_every: int = 500
+    learning_rate_scale: float = 2.0
+    warmup_steps: int = 400
+    schedule: str = "inverse_sqrt"
+    label_smoothing: float = 0.1
+    beam_size: int = 4
+    alpha: float = 0.6
+    eval_sentences: int = 200
+    seed: int = 0
+
+    CORPORA = ("numbers-de", "numbers-fr")
+    SCHEDULES = ("inverse_sqrt", "constant")
+
+    def validate(self) -> "NMTConfig":
+        self.mesh.validate()
+        (self.model or TransformerConfig(vocab_size=self.vocab_size)).validate()
+        for name in ("num_train", "vocab_size", "max_tokens", "steps", "eval_every", "beam_size",
+                     "eval_sentences", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
+        if self.eval_every > self.steps:
+            raise ValueError(f"eval_every={self.eval_every} exceeds steps={self.steps}.")
+        if self.corpus not in self.CORPORA:
+            raise ValueError(f"corpus must be one of {list(self.CORPORA)}; received "
+                             f"{self.corpus!r} (or give --train_src/--train_tgt or --train_tsv).")
+        if self.schedule not in self.SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(self.SCHEDULES)}; received "
+                             f"{self.schedule!r}.")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1); received {self.label_smoothing!r}.")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0; received {self.alpha!r}.")
+        if bool(self.train_src) != bool(self.train_tgt) or bool(self.test_src) != bool(self.test_tgt):
+            raise ValueError("Give --train_src with --train_tgt and --test_src with --test_tgt.")
+        if (self.train_src or self.train_tsv) and not (self.test_src or self.test_tsv):
+            raise ValueError("Training files need held-out files too: --test_src/--test_tgt or "
+                             "--test_tsv.")
+        for name in ("train_src", "train_tgt", "test_src", "test_tgt", "train_tsv", "test_tsv",
+                     "spm_model"):
+            path = getattr(self, name)
+            if path and not os.path.exists(path):
+                raise ValueError(f"--{name}={path!r} does not exist.")
+        return self

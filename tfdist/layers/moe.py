@@ -307,14 +307,19 @@ class MoE(keras.layers.Layer):
             # Inference (e.g. a decoding step of batch * beam tokens): the
             # largest group size that divides the tokens, at most group_size.
             S = math.gcd(num_tokens, S)
-        if num_tokens is None or num_tokens % S:
+        if num_tokens is not None and num_tokens % S:
             raise ValueError(
                 f"Layer {self.name!r}: group_size={S} must divide the {num_tokens} "
                 f"tokens (batch * length) each replica routes; use a batch whose "
                 f"per-replica token count is a multiple of {S}."
             )
-        G = num_tokens // S
-        groups = tf.reshape(tokens, [G, S, d_model])  # [G, S, M]
+        if num_tokens is None:  # batches of several shapes (length buckets): check at run time
+            num_tokens = tf.shape(tokens)[0]
+            with tf.control_dependencies([tf.debugging.assert_equal(
+                    num_tokens % S, 0, message=f"Layer {self.name!r}: group_size={S} must "
+                    f"divide the tokens (batch * length) each replica routes")]):
+                tokens = tf.identity(tokens)
+        groups = tf.reshape(tokens, [-1, S, d_model])  # [G, S, M]
 
         router_in = groups
         if training and self.router_jitter > 0:

@@ -6,7 +6,6 @@ and experts are split by the layout rules through `ShardedAttention`,
 other feed-forward layer is an MoE when `moe_experts > 0` (GShard).
 """
 
-import dataclasses
 import math
 
 import keras
@@ -16,48 +15,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers import MoE, ShardedDense
 from tfdist.layers.attention import ShardedAttention
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Sizes and options of a `Transformer` (plain data; `validate()` checks it)."""
-
-    vocab_size: int
-    d_model: int = 256
-    num_heads: int = 4
-    d_kv: int = 64
-    d_ff: int = 1024
-    num_encoder_layers: int = 3
-    num_decoder_layers: int = 3
-    max_length: int = 64
-    dropout: float = 0.1
-    positions: str = "sinusoidal"
-    share_embeddings: bool = True
-    moe_experts: int = 0
-    moe_top_k: int = 2
-    moe_group_size: int = 64
-    moe_capacity_factor: float = 1.25
-    moe_aux_loss_coef: float = 1e-2
-
-    def validate(self) -> "TransformerConfig":
-        for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
-                     "moe_group_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
-        for name in ("num_encoder_layers", "num_decoder_layers", "moe_experts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0; received {getattr(self, name)!r}.")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1); received dropout={self.dropout!r}.")
-        if self.positions not in ("sinusoidal", "learned"):
-            raise ValueError(f"positions must be 'sinusoidal' or 'learned'; received "
-                             f"positions={self.positions!r}.")
-        if self.moe_experts and self.moe_top_k not in (1, 2):
-            raise ValueError(f"moe_top_k must be 1 or 2; received {self.moe_top_k!r}.")
-        if self.moe_experts and self.moe_top_k > self.moe_experts:
-            raise ValueError(f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}.")
-        return self
+from tfdist.config import TransformerConfig  # noqa: F401  (re-exported)
 
 
 def sinusoids(length, d_model):
