@@ -9,12 +9,18 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,nmt,bench]'
 	touch $(STAMP)
 
+# A small MoE Transformer, English -> German number words, on a 2x2 virtual CPU
+# mesh: about 10 minutes on 2 cores; prints held-out BLEU and translations.
 demo: $(STAMP)
-	$(PY) scripts/demo.py --mesh_shape='data:2;model:2' \
-	    --layout='batch:data;d_ff:model;vocab:model'
+	$(PY) scripts/train_nmt.py --mesh_shape='data:2;model:2' \
+	    --layout='batch:data;heads:model;d_ff:model;vocab:model;experts:model' \
+	    --moe_experts=4 --d_model=64 --d_ff=256 --num_heads=4 --d_kv=16 \
+	    --num_encoder_layers=2 --num_decoder_layers=2 --max_length=24 --max_tokens=1536 \
+	    --dropout=0.05 --warmup_steps=200 --steps=1200 --eval_every=300 \
+	    --eval_sentences=100 --model_dir=runs/demo_nmt
 
 test: $(STAMP)
 	bash scripts/install_horovod.sh $(PY)  # the Horovod tests run in CI too
@@ -25,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/moe.py
 	$(PY) bench/xc_softmax.py
 	$(PY) bench/xc_processes.py
+	$(PY) bench/nmt.py
 
 # Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).
 horovod: $(STAMP)

@@ -9,7 +9,8 @@ no network; the held-out numbers never occur in training) or parallel text
 files (--train_src/--train_tgt/--test_src/--test_tgt, or --train_tsv/
 --test_tsv). A SentencePiece model is trained on the training text (or
 loaded with --spm_model). Every --eval_every steps: held-out BLEU (sacrebleu,
-beam search), tokens/s, TensorBoard scalars, an atomic global checkpoint
+beam search; character BLEU for the German number words, which are one word
+each) and exact-match rate, tokens/s, TensorBoard scalars, an atomic global checkpoint
 (resumed from automatically). Writes the resolved flags (usable as
 --flagfile) and config to --model_dir. Bad flag values exit with one line.
 """
@@ -90,6 +91,15 @@ def config_from_flags() -> NMTConfig:
         eval_sentences=FLAGS.eval_sentences, seed=FLAGS.seed).validate()
 
 
+def resolved_flags() -> str:
+    """This script's flags (and the shared cluster flags), one `--name=value` per line."""
+    mine = (sys.argv[0], os.path.abspath(sys.argv[0]), "__main__", "flag_utils")
+    lines = [flag.serialize() for module, defined in FLAGS.flags_by_module_dict().items()
+             if module in mine or module.endswith("flag_utils.py") for flag in defined
+             if flag.value is not None and flag.name != "flagfile"]
+    return "\n".join(sorted(set(lines))) + "\n"
+
+
 def load_pairs(config: NMTConfig):
     """(train pairs, held-out pairs) of the files or of the built-in corpus."""
     from tfdist.data import nmt
@@ -157,7 +167,8 @@ def main(argv):
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump({**dataclasses.asdict(config), "model": dataclasses.asdict(model_config)},
                       f, indent=2)
-        FLAGS.append_flags_into_file(os.path.join(model_dir, "flags.txt"))
+        with open(os.path.join(model_dir, "flags.txt"), "w") as f:  # usable as --flagfile
+            f.write(resolved_flags())
         if config.spm_model:
             shutil.copy(config.spm_model, os.path.join(model_dir, "spm.model"))
 
@@ -178,8 +189,10 @@ def main(argv):
 
     backup = BackupAndRestore(os.path.join(model_dir, "backup"))
     done = backup.latest_epoch() + 1  # resumed: continue the data where it stopped
+    tokenize = "char" if config.corpus == "numbers-de" and not (config.train_src or
+                                                               config.train_tsv) else "13a"
     evaluation = NMTEvaluation(tokenizer, test_pairs[:config.eval_sentences], config.beam_size,
-                               config.alpha)
+                               config.alpha, tokenize=tokenize)
     callbacks = [backup, evaluation]
     if chief:
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
@@ -191,7 +204,7 @@ def main(argv):
     arrays = checkpoint.global_arrays(model, with_optimizer=False)  # every process
     if chief:
         checkpoint.write_arrays(arrays, os.path.join(model_dir, "model.npz"))
-        print(f"final held-out BLEU {bleu:.1f} ({len(evaluation.pairs)} sentences, beam "
+        print(f"final held-out BLEU {bleu:.1f} ({tokenize}; {len(evaluation.pairs)} sentences, beam "
               f"{config.beam_size}); config, tokenizer, checkpoint in {model_dir}; TensorBoard: "
               f"tensorboard --logdir {os.path.join(model_dir, 'logs')}", flush=True)
     return 0

@@ -235,6 +235,15 @@ class NMTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
+        mesh = self.mesh.mesh()
+        model = self.model or TransformerConfig(vocab_size=self.vocab_size)
+        for logical, name in (("heads", "num_heads"), ("d_ff", "d_ff"), ("experts", "moe_experts")):
+            size, shards = getattr(model, name), mesh.axis_size(mesh.mesh_axis(logical))
+            if size and size % shards:
+                raise ValueError(
+                    f"{name}={size} does not divide by the {shards} devices of mesh axis "
+                    f"{mesh.mesh_axis(logical)!r} that the layout splits {logical!r} over; use a "
+                    f"multiple of {shards}.")
         if self.eval_every > self.steps:
             raise ValueError(f"eval_every={self.eval_every} exceeds steps={self.steps}.")
         if self.corpus not in self.CORPORA:

@@ -29,11 +29,24 @@ def translate_texts(model, tokenizer, sources: Sequence[str], batch_size: int = 
     return out[:count]
 
 
-def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """sacrebleu's corpus BLEU (13a tokenisation) of `hypotheses` against one reference each."""
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str],
+                tokenize: str = "13a") -> float:
+    """sacrebleu's corpus BLEU of `hypotheses` against one reference each.
+
+    `tokenize="13a"` is the WMT standard; `"char"` scores characters, for
+    languages that write compounds as one word (German number words are one
+    word each, so word BLEU only counts exact sentences and no 2-grams exist).
+    """
     import sacrebleu
 
-    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
+    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)],
+                                       tokenize=tokenize).score)
+
+
+def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Fraction of hypotheses equal to their reference (after stripping spaces at the ends)."""
+    pairs = list(zip(hypotheses, references))
+    return sum(h.strip() == r.strip() for h, r in pairs) / max(len(pairs), 1)
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -64,10 +77,13 @@ class NMTEvaluation(keras.callbacks.Callback):
         beam_size, alpha: decoding.
         examples: translations to print after each evaluation.
         batch_size: sentences per decoding batch.
+        tokenize: sacrebleu tokenisation ("13a", or "char" for compounding languages).
     """
 
-    def __init__(self, tokenizer, pairs, beam_size=4, alpha=0.6, examples=3, batch_size=64):
+    def __init__(self, tokenizer, pairs, beam_size=4, alpha=0.6, examples=3, batch_size=64,
+                 tokenize="13a"):
         super().__init__()
+        self.tokenize = tokenize
         self.tokenizer, self.pairs = tokenizer, list(pairs)
         self.beam_size, self.alpha = beam_size, alpha
         self.examples, self.batch_size = examples, batch_size
@@ -81,7 +97,7 @@ class NMTEvaluation(keras.callbacks.Callback):
         """`(bleu, hypotheses)` on the held-out pairs."""
         hypotheses = translate_texts(self.model, self.tokenizer, [s for s, _ in self.pairs],
                                      self.batch_size, self.beam_size, self.alpha)
-        return corpus_bleu(hypotheses, [r for _, r in self.pairs]), hypotheses
+        return corpus_bleu(hypotheses, [r for _, r in self.pairs], self.tokenize), hypotheses
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
@@ -90,8 +106,10 @@ class NMTEvaluation(keras.callbacks.Callback):
             logs["tokens_per_second"] = float(logs["tokens"]) / elapsed
         bleu, hypotheses = self.evaluate()
         logs["bleu"] = bleu
+        logs["exact_match"] = exact_match(hypotheses, [r for _, r in self.pairs])
         self.history.append(bleu)
-        lines = [f"epoch {epoch + 1}: held-out BLEU {bleu:.1f} on {len(self.pairs)} sentences"
+        lines = [f"epoch {epoch + 1}: held-out BLEU {bleu:.1f} ({self.tokenize}), exact "
+                 f"{logs['exact_match']:.0%} on {len(self.pairs)} sentences"
                  + (f", {logs['tokens_per_second']:.0f} target tokens/s"
                     if "tokens_per_second" in logs else "")]
         for (source, reference), hypothesis in list(zip(self.pairs, hypotheses))[:self.examples]:

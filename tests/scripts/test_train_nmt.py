@@ -1,0 +1,74 @@
+"""scripts/train_nmt.py and translate.py: a few steps on a 2x2 mesh, outputs, resume, errors."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["--d_model=32", "--d_ff=64", "--num_heads=2", "--d_kv=16", "--num_encoder_layers=2",
+         "--num_decoder_layers=2", "--max_length=24", "--num_train=1000", "--num_test=20",
+         "--eval_sentences=8", "--max_tokens=768", "--vocab_size=128", "--beam_size=2"]
+MESH = ["--mesh_shape=data:2;model:2",
+        "--layout=batch:data;heads:model;d_ff:model;vocab:model;experts:model"]
+
+
+@pytest.mark.slow
+def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tmp_path):
+    model_dir = tmp_path / "run"
+    result = run_script("train_nmt.py", *SMALL, *MESH, "--moe_experts=4", "--moe_group_size=32",
+                        "--steps=6", "--eval_every=3", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MoE experts 4" in result.stdout and "(4 replicas)" in result.stdout
+    assert re.findall(r"epoch (\d): held-out BLEU", result.stdout) == ["1", "2"]  # every 3 steps
+    assert "final held-out BLEU" in result.stdout and "tensorboard --logdir" in result.stdout
+    files = sorted(os.listdir(model_dir))
+    assert files == ["backup", "config.json", "flags.txt", "logs", "model.npz", "spm.model",
+                     "spm.vocab"], files
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model"]["moe_experts"] == 4 and config["model"]["vocab_size"] == 128
+    assert "--steps=6" in (model_dir / "flags.txt").read_text()
+    assert os.listdir(model_dir / "backup") == ["epoch-1.npz"]
+    events = [f for _, _, fs in os.walk(model_dir / "logs") for f in fs if "tfevents" in f]
+    assert events
+
+    # Resume: the run is complete, so nothing more is trained (data skipped, no epochs left).
+    again = run_script("train_nmt.py", f"--flagfile={model_dir / 'flags.txt'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "Epoch 1/2" not in again.stdout
+
+    # translate.py loads the 2x2-mesh checkpoint on one device (XLA) and on 1x2.
+    sources = tmp_path / "src.txt"
+    sources.write_text("twenty-one\nfour hundred and twelve\n")
+    for mesh in ([], ["--mesh_shape=data:1;model:2"]):
+        out = subprocess.run([sys.executable, "scripts/translate.py", f"--model_dir={model_dir}",
+                              f"--input={sources}", *mesh], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert len(out.stdout.splitlines()) == 2
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--num_heads=3"], "num_heads=3 does not divide by the 2 devices of mesh axis 'model'"),
+    (["--corpus=numbers-xx"], "corpus must be one of ['numbers-de', 'numbers-fr']"),
+    (["--eval_every=10", "--steps=5"], "eval_every=10 exceeds steps=5"),
+    (["--train_src=/nonexistent/a.txt", "--train_tgt=/nonexistent/b.txt",
+      "--test_tsv=/nonexistent/t.tsv"], "--train_src='/nonexistent/a.txt' does not exist"),
+    (["--label_smoothing=1.5"], "label_smoothing must be in [0, 1)"),
+    (["--mesh_shape=data:2;model"], "Malformed mesh shape pair 'model'"),
+])
+def test_bad_flags_give_one_clear_error(run_script, flags, fragment):
+    result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:1;model:2", "--steps=2",
+                        "--eval_every=1", *flags, timeout=300)
+    assert result.returncode != 0
+    assert fragment in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_translate_without_a_model_dir_is_a_clear_error(run_script, tmp_path):
+    result = run_script("translate.py", f"--model_dir={tmp_path}", timeout=120)
+    assert result.returncode != 0 and "config.json' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
