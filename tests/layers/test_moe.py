@@ -107,7 +107,10 @@ def test_config_round_trip():
 def test_group_size_must_divide_tokens():
     layer = MoE(4, 8, group_size=6)
     with pytest.raises(ValueError, match="group_size=6 must divide the 8 tokens"):
-        layer(np.zeros((2, 4, 8), "float32"))
+        layer(np.zeros((2, 4, 8), "float32"), training=True)
+    # Inference (e.g. one decoding step of batch * beam tokens) uses the largest
+    # group size that divides the tokens: gcd(8, 6) = 2.
+    assert tuple(layer(np.zeros((2, 4, 8), "float32")).shape) == (2, 4, 8)
 
 
 # -- equivalence with the per-token loop, over meshes ---------------------------
