@@ -31,7 +31,6 @@ ids = model.translate(source_ids, beam_size=4, alpha=0.6)
 import dataclasses
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfdist import collectives

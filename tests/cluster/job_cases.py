@@ -1,0 +1,43 @@
+"""Equivalence cases shared by the multi-process jobs (mesh over workers, over Horovod ranks).
+
+Each runs `assert_equivalent` (10 Adam steps, rtol 1e-5) for one model on the
+given strategy and returns the report.
+"""
+
+import keras
+import numpy as np
+
+from tfdist.layers import ShardedSoftmax, ShardedSparseCategoricalCrossentropy
+from tfdist.models import build_token_mlp, make_copy_task
+from tfdist.testing.equivalence import assert_equivalent
+from tfdist.testing.reference import SmoothedSparseCrossentropy
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def token_mlp(strategy):
+    """ShardedEmbedding and column/row ShardedDense (the token model)."""
+    x, y = make_copy_task(10 * 16)
+    return assert_equivalent(
+        build_token_mlp, strategy, x, y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=adam, batch_size=16, steps=10, rtol=1e-5)
+
+
+def xc_head(strategy, num_classes=1001):
+    """ShardedSoftmax with label smoothing, C not divisible by the shards."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10 * 16, 8)).astype("float32")
+    y = rng.integers(0, num_classes, 10 * 16).astype("int32")
+
+    def head():
+        inputs = keras.Input((8,))
+        return keras.Model(inputs, ShardedSoftmax(num_classes, name="head")(inputs))
+
+    return assert_equivalent(
+        head, strategy, x, y,
+        loss=ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=0.1),
+        reference_loss=SmoothedSparseCrossentropy(num_classes, label_smoothing=0.1),
+        optimizer=adam, batch_size=16, steps=10, compare_outputs=False, rtol=1e-5)
