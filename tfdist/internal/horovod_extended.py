@@ -36,8 +36,7 @@ from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
-from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global, \
-    split_global
+from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global
 
 
 class HorovodShardedVariable(ShardedVariable):
@@ -49,18 +48,6 @@ class HorovodShardedVariable(ShardedVariable):
         shards = extended.hvd.allgather(local.read_value()[tf.newaxis],
                                         name=f"tfdist_read_{extended._next()}")
         return assemble_global(self.layout, tf.unstack(shards, num=self.layout.mesh_shape.size))
-
-    def _update_cross_replica(self, update_fn, value, **kwargs):
-        value = tf.convert_to_tensor(value, dtype=self.dtype)
-        if value.shape.rank is not None and tuple(value.shape) != self.layout.shape:
-            raise ValueError(
-                f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
-                f"variable {self.name!r} of global shape {self.layout.shape}.")
-        (local,) = self._values
-        shard = split_global(self.layout, value)[self._distribute_strategy.extended.hvd.rank()]
-        with tf.device(local.device):
-            update = update_fn(local, shard, **kwargs)
-        return self if isinstance(update, tf.Variable) else update
 
 
 class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):

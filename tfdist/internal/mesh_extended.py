@@ -109,8 +109,11 @@ class ShardedVariable(values.MirroredVariable):
                 f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
                 f"variable {self.name!r} of global shape {self._tfdist_layout.shape}."
             )
+        shards = split_global(self._tfdist_layout, value)
+        index = self._distribute_strategy.extended.mesh_device_index
         updates = []
-        for component, shard in zip(self._values, split_global(self._tfdist_layout, value)):
+        for i, component in enumerate(self._values):  # this process's shards only
+            shard = shards[index(i)]
             with tf.device(component.device):
                 updates.append(update_fn(component, shard, **kwargs))
         if all(isinstance(u, tf.Variable) for u in updates):
