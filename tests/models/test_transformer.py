@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from tfdist.models import decoding
 from tfdist.models.transformer import (
     InverseSqrtSchedule,
     SequenceCrossentropy,
@@ -104,6 +105,24 @@ def test_xla_decoding_equals_graph_decoding_and_beam_1_equals_greedy():
     np.testing.assert_array_equal(model.translate(src, beam_size=1, max_length=10).numpy(),
                                   model.translate(src, beam_size=1, max_length=10,
                                                   jit_compile=False).numpy())
+
+
+def test_beam_search_with_the_encoder_part_repeated_once_equals_reordering_it_every_step():
+    """`translate` keeps the encoder's keys/values out of the reordered cache."""
+    keras.utils.set_random_seed(5)
+    model = Transformer(_config(num_decoder_layers=2))
+    (src, _), _ = _batches(1, seed=6)
+    memory = model.memory_cache(*model.encode(src))
+    cache = {**model.initial_cache(len(src), 10), "memory": memory}
+
+    def step(ids, index, cache):  # everything, the encoder's part too, goes through the beam
+        logits, new = model.decode_step(ids, index, cache, cache["memory"])
+        return logits, {**new, "memory": cache["memory"]}
+
+    ids, _ = decoding.beam_search(step, np.ones(len(src), "int32"), cache, 3, 10, 2, alpha=0.6)
+    np.testing.assert_array_equal(
+        model.translate(src, beam_size=3, max_length=10, jit_compile=False).numpy(),
+        ids[:, 0].numpy())
 
 
 def test_a_model_trained_on_a_mesh_translates_like_its_single_device_copy():

@@ -29,6 +29,7 @@ ids = model.translate(source_ids, beam_size=4, alpha=0.6)
 """
 
 import dataclasses
+import functools
 
 import keras
 import tensorflow as tf
@@ -142,26 +143,37 @@ class Transformer(keras.Model):
 
     # -- decoding -------------------------------------------------------------
 
-    def initial_cache(self, memory, memory_mask, max_length):
-        """Per-layer caches: preallocated keys/values and the encoder's keys/values."""
-        c = self.model_config
-        n = tf.shape(memory)[0]
+    def memory_cache(self, memory, memory_mask):
+        """Per decoder layer, the encoder's keys/values `[b, H, Ls, d_kv]` and padding bias.
+
+        Computed once per source and constant over the search (beam search
+        repeats it per beam once, rather than reordering it every step).
+        """
+        bias = padding_bias(memory_mask)
         layers = []
         for block in self.decoder_blocks:
-            memory_keys, memory_values = block.cross_attention.project_kv(memory)
-            empty = tf.zeros([n, c.num_heads, max_length, c.d_kv], memory.dtype)
-            layers.append({"keys": empty, "values": empty, "memory_keys": memory_keys,
-                           "memory_values": memory_values,
-                           "memory_bias": padding_bias(memory_mask)})
-        return {"layers": layers}
+            keys, values = block.cross_attention.project_kv(memory)
+            layers.append({"keys": keys, "values": values, "bias": bias})
+        return layers
 
-    def decode_step(self, ids, index, cache):
-        """`decoding.step_fn`: the logits `[N, V]` after token `ids [N]` at `index`."""
+    def initial_cache(self, batch_size, max_length):
+        """Per decoder layer, preallocated self-attention keys/values `[b, H, L, d_kv]`."""
+        c = self.model_config
+        empty = tf.zeros([batch_size, c.num_heads, max_length, c.d_kv], self.compute_dtype)
+        return {"layers": [{"keys": empty, "values": empty} for _ in self.decoder_blocks]}
+
+    def decode_step(self, ids, index, cache, memory):
+        """The logits `[N, V]` after token `ids [N]` at `index`, and the updated cache.
+
+        `cache` comes from `initial_cache` (and earlier steps), `memory` from
+        `memory_cache`, both with N rows; with `functools.partial(...,
+        memory=...)` this is a `decoding` step function.
+        """
         x = self.target_embedding(ids[:, None]) * (self.model_config.d_model ** 0.5)
         x = x + tf.cast(tf.gather(self.position_table, index), x.dtype)[None, None]
         layers = []
-        for block, layer_cache in zip(self.decoder_blocks, cache["layers"]):
-            x, layer_cache = block.step(x, index, layer_cache)
+        for block, layer_cache, layer_memory in zip(self.decoder_blocks, cache["layers"], memory):
+            x, layer_cache = block.step(x, index, layer_cache, layer_memory)
             layers.append(layer_cache)
         logits = self.output_logits(self.decoder_norm(x))[:, 0, :]
         return tf.cast(logits, "float32"), {"layers": layers}
@@ -191,13 +203,21 @@ class Transformer(keras.Model):
 
     def _search(self, source_ids, beam_size, alpha, max_length):
         memory, mask = self.encode(source_ids, training=False)
-        cache = self.initial_cache(memory, mask, max_length)
-        start = tf.fill([tf.shape(source_ids)[0]], BOS_ID)
+        memory = self.memory_cache(memory, mask)
+        batch = tf.shape(source_ids)[0]
+        start = tf.fill([batch], BOS_ID)
         if beam_size == 1:
-            ids, _ = decoding.greedy_search(self.decode_step, start, cache, max_length, EOS_ID)
+            step = functools.partial(self.decode_step, memory=memory)
+            cache = self.initial_cache(batch, max_length)
+            ids, _ = decoding.greedy_search(step, start, cache, max_length, EOS_ID)
             return ids
-        ids, _ = decoding.beam_search(self.decode_step, start, cache, beam_size, max_length,
-                                      EOS_ID, alpha=alpha)
+        # Row b*K + k is beam k of source b, and beams never change source:
+        # the encoder's part is repeated once, only the self-attention cache
+        # is reordered each step.
+        memory = tf.nest.map_structure(lambda t: tf.repeat(t, beam_size, axis=0), memory)
+        step = functools.partial(self.decode_step, memory=memory)
+        ids, _ = decoding.beam_search(step, start, self.initial_cache(batch, max_length),
+                                      beam_size, max_length, EOS_ID, alpha=alpha)
         return ids[:, 0]
 
     def get_config(self):

@@ -118,8 +118,12 @@ class DecoderBlock(_Block):
                                  training=training)
         return self._ffn(x + self.drop(h, training=training), training)
 
-    def step(self, x, index, cache, training=False):
-        """One decoding position `x [N, 1, d]` with this block's cache; returns (y, cache)."""
+    def step(self, x, index, cache, memory, training=False):
+        """One decoding position `x [N, 1, d]`; returns (y, cache with position `index` written).
+
+        `cache`: this block's self-attention `keys`/`values` `[N, H, L, d_kv]`;
+        `memory`: the encoder's `keys`/`values` for this block and its `bias`.
+        """
         attention = self.self_attention
         h = self.self_norm(x)
         k, v = attention.project_kv(h)
@@ -130,7 +134,6 @@ class DecoderBlock(_Block):
         x = x + attention.attend(attention.project_query(h), keys, values, bias)
         h = self.cross_norm(x)
         x = x + self.cross_attention.attend(self.cross_attention.project_query(h),
-                                            cache["memory_keys"], cache["memory_values"],
-                                            cache["memory_bias"])
+                                            memory["keys"], memory["values"], memory["bias"])
         y = self._ffn(x, training)
-        return y, {**cache, "keys": keys, "values": values}
+        return y, {"keys": keys, "values": values}
