@@ -133,6 +133,7 @@ def main(argv):
     from tfdist.data import nmt
     from tfdist.models import InverseSqrtSchedule, SequenceCrossentropy, Transformer
     from tfdist.models.nmt_eval import NMTEvaluation, TokenCount
+    from tfdist.testing.memory import device_bytes
 
     chief = is_chief(strategy)
     model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="tfdist_nmt_")
@@ -185,7 +186,9 @@ def main(argv):
                       metrics=[TokenCount()], jit_compile=FLAGS.xla)
     print(f"train_nmt: {len(train_pairs)} training pairs, {len(test_pairs)} held-out; "
           f"vocabulary {tokenizer.vocab_size}; {model.count_params():,} parameters on {mesh} "
-          f"({replicas} replicas); MoE experts {model_config.moe_experts or 'none'}", flush=True)
+          f"({replicas} replicas); MoE experts {model_config.moe_experts or 'none'}; weights "
+          f"{device_bytes(model):,} bytes on device 0 of {4 * model.count_params():,} "
+          f"(Adam's two slots follow the same layout)", flush=True)
 
     backup = BackupAndRestore(os.path.join(model_dir, "backup"))
     done = backup.latest_epoch() + 1  # resumed: continue the data where it stopped

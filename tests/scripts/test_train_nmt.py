@@ -23,6 +23,9 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
                         "--steps=6", "--eval_every=3", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MoE experts 4" in result.stdout and "(4 replicas)" in result.stdout
+    on_device, total = map(lambda n: int(n.replace(",", "")), re.search(
+        r"weights ([\d,]+) bytes on device 0 of ([\d,]+)", result.stdout).groups())
+    assert on_device < 0.6 * total  # heads, d_ff, vocabulary and experts split over model:2
     assert re.findall(r"epoch (\d): held-out BLEU", result.stdout) == ["1", "2"]  # every 3 steps
     assert "final held-out BLEU" in result.stdout and "tensorboard --logdir" in result.stdout
     files = sorted(os.listdir(model_dir))

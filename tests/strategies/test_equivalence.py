@@ -25,8 +25,12 @@ OPTIMIZERS = {
 STEPS, BATCH = 20, 16
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("mesh", MESHES)
+# Adam on every mesh; plain SGD (no slots) on the smaller ones, to keep CI time down.
+CASES = [(mesh, "adam") for mesh in MESHES] + [
+    (mesh, "sgd") for mesh in MESHES if mesh not in ("data:2;model:2", "data:2;model:4")]
+
+
+@pytest.mark.parametrize("mesh, optimizer", CASES)
 def test_token_mlp_matches_single_device(mesh, optimizer):
     x, y = make_copy_task(STEPS * BATCH)
     report = assert_equivalent(
