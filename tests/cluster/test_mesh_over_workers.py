@@ -80,6 +80,8 @@ def test_a_killed_worker_makes_the_controller_fail_fast_not_hang():
     text = "".join(lines) + out
     assert controller.returncode != 0, text[-2000:]
     assert elapsed < 60, elapsed
-    assert f":{ports[1]}" in text and "task:1" in text, text[-2000:]  # names the lost worker
+    # Names the lost worker: tfdist's watcher by address, or (when gRPC's reset
+    # arrives first, before the watcher's 6 s) TF's error by task.
+    assert f":{ports[1]}" in text or "/job:worker/replica:0/task:1" in text, text[-2000:]
     print(f"controller failed {elapsed:.1f} s after the kill: "
           f"{[l for l in text.splitlines() if 'lost' in l or 'Error' in l][-1:]}")
