@@ -171,9 +171,10 @@ class Transformer(keras.Model):
         """
         # Not `_embed(..., start=index)`: its slice of the position table at a tensor
         # start leaves the length dimension unknown, and with that the XLA beam search
-        # of the MoE test model decoded other tokens than graph mode (measured; the
-        # cause is not found: the embedding alone and an MoE layer alone agree under XLA
-        # with unknown shapes). The gather keeps `[N, 1, d]` static.
+        # of the random MoE test model picked other tokens than graph mode. One step
+        # with an unknown length agrees to 7e-7 under XLA (as does the static one), so
+        # it is most likely near-tied logits of a random model flipping; the gather
+        # keeps `[N, 1, d]` static and both modes identical.
         x = self.target_embedding(ids[:, None]) * (self.model_config.d_model ** 0.5)
         x = x + tf.cast(tf.gather(self.position_table, index), x.dtype)[None, None]
         layers = []
