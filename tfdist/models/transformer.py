@@ -208,22 +208,19 @@ class Transformer(keras.Model):
         return self._decoders[key](tf.convert_to_tensor(source_ids, "int32"))
 
     def _search(self, source_ids, beam_size, alpha, max_length):
-        memory, mask = self.encode(source_ids, training=False)
-        memory = self.memory_cache(memory, mask)
-        batch = tf.shape(source_ids)[0]
-        start = tf.fill([batch], BOS_ID)
-        if beam_size == 1:
-            step = functools.partial(self.decode_step, memory=memory)
-            cache = self.initial_cache(batch, max_length)
-            ids, _ = decoding.greedy_search(step, start, cache, max_length, EOS_ID)
-            return ids
-        # Row b*K + k is beam k of source b, and beams never change source:
-        # the encoder's part is repeated once, only the self-attention cache
-        # is reordered each step.
-        memory = tf.nest.map_structure(lambda t: tf.repeat(t, beam_size, axis=0), memory)
+        memory = self.memory_cache(*self.encode(source_ids, training=False))
+        if beam_size > 1:
+            # Row b*K + k is beam k of source b, and beams never change source:
+            # the encoder's part is repeated once, only the self-attention cache
+            # is reordered each step.
+            memory = tf.nest.map_structure(lambda t: tf.repeat(t, beam_size, axis=0), memory)
         step = functools.partial(self.decode_step, memory=memory)
-        ids, _ = decoding.beam_search(step, start, self.initial_cache(batch, max_length),
-                                      beam_size, max_length, EOS_ID, alpha=alpha)
+        batch = tf.shape(source_ids)[0]
+        start, cache = tf.fill([batch], BOS_ID), self.initial_cache(batch, max_length)
+        if beam_size == 1:
+            return decoding.greedy_search(step, start, cache, max_length, EOS_ID)[0]
+        ids, _ = decoding.beam_search(step, start, cache, beam_size, max_length, EOS_ID,
+                                      alpha=alpha)
         return ids[:, 0]
 
     def get_config(self):
