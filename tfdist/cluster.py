@@ -262,8 +262,7 @@ def watch(cluster: ClusterConfig, interval_s: float = 2.0, misses: int = 3) -> N
     `misses` failures in a row it aborts all collective ops with an error
     naming the lost task, so a step waiting on it fails instead of hanging.
     """
-    from tensorflow.python.eager import context
-    from tensorflow.python.framework import errors
+    from tfdist.internal.collective_abort import abort_collectives
 
     def loop():
         failures = {t: 0 for t in cluster.tasks[1:]}
@@ -275,7 +274,7 @@ def watch(cluster: ClusterConfig, interval_s: float = 2.0, misses: int = 3) -> N
                     message = (f"tfdist: lost {task[0]}:{task[1]} at {task[2]} "
                                f"(no answer for {misses * interval_s:.0f} s)")
                     print(message, file=sys.stderr, flush=True)
-                    context.context().abort_collective_ops(errors.UNAVAILABLE, message)
+                    abort_collectives(message)
                     return
 
     if id(cluster) not in _WATCHED:
