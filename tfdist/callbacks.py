@@ -5,6 +5,7 @@ import os
 import keras
 
 from tfdist import checkpoint
+from tfdist.internal.keras_fit import set_initial_epoch
 
 _PREFIX = "epoch-"
 
@@ -109,7 +110,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         checkpoint.load_global(self.model, backups[epoch])
-        self.model._initial_epoch = epoch + 1  # read by Keras's fit loop
+        set_initial_epoch(self.model, epoch + 1)
         self.restored_epoch = epoch
         print(f"tfdist: resumed from {backups[epoch]} (after epoch {epoch + 1})", flush=True)
 
