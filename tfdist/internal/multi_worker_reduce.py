@@ -1,4 +1,6 @@
-"""Workaround for keras#20585: Keras 3 `fit` under MultiWorkerMirroredStrategy.
+"""`strategy.reduce` as Keras 3 calls it, under MultiWorkerMirroredStrategy.
+
+A workaround for keras#20585: Keras 3 `fit` under MultiWorkerMirroredStrategy.
 
 Private TF API used: none (public `tf.distribute` calls on the strategy).
 
