@@ -43,10 +43,30 @@ def _multi_worker(**options):
     return MultiWorkerStrategy(**options)
 
 
-def _horovod(**options):
+def horovod_strategy_class():
+    """Imports and returns `HorovodStrategy`, or says how to build Horovod.
+
+    Imports `horovod.tensorflow` first, so a missing (or broken) Horovod build
+    fails here with one message, not deep inside the strategy.
+
+    Raises:
+        ImportError: `import horovod.tensorflow` fails; the message says to run
+            `make horovod` (or `scripts/install_horovod.sh`).
+    """
+    try:
+        import horovod.tensorflow  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"HorovodStrategy needs Horovod built against this TensorFlow, but "
+            f"`import horovod.tensorflow` failed ({e}). Build it with `make horovod` "
+            f"(or `scripts/install_horovod.sh [PYTHON]`).") from e
     from tfdist.strategies.horovod import HorovodStrategy
 
-    return HorovodStrategy(**options)
+    return HorovodStrategy
+
+
+def _horovod(**options):
+    return horovod_strategy_class()(**options)
 
 
 def _tpu(**options):
