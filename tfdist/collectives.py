@@ -2,8 +2,9 @@
 
 A sharded layer is written per shard, like Megatron or Mesh-TF's lowering: it
 asks for its coordinate along a mesh axis and calls collectives over that axis
-by name. Under a `MeshStrategy` replica these are real collectives among the
-devices that differ only along the named axis; anywhere else (one device, a
+by name. Under a replica of a tfdist mesh strategy (`tfdist.runtime`) these are
+real collectives, on the mesh's communication backend, among the devices that
+differ only along the named axis; anywhere else (one device, a
 strategy without a mesh, or Keras building the model in cross-replica context)
 the axis has size 1, index 0, and every collective is the identity, so the same
 layer code computes the global, single-device result.
@@ -20,125 +21,27 @@ y_local = tf.matmul(x_all, kernel_shard)     # [batch * M, d_ff / M]
 ```
 """
 
-import itertools
-import threading
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 import tensorflow as tf
 
+from tfdist import runtime
 from tfdist.mesh import Mesh
-
-
-class CollectiveEngine:
-    """Issues TF collective ops among groups of one strategy's devices.
-
-    Each device has an ordering token (a resource variable) so that the
-    collectives of a device run in the order they were traced; without it,
-    collectives on virtual CPUs hang. Group keys are unique per engine and
-    device group; instance keys are unique per logical collective.
-
-    Args:
-        devices: device strings, index `i` being mesh device `i`.
-        timeout_seconds: a collective that waits longer than this fails
-            instead of hanging; 0 (the default) waits forever. TF implements
-            the timeout with one sleeping thread per collective *execution*
-            that lives for the whole timeout, so a long timeout on a busy
-            training loop piles up thousands of threads: use it to debug hangs.
-    """
-
-    _key_lock = threading.Lock()
-    _next_group_key = itertools.count(7001)
-    _next_instance_key = itertools.count(1 << 20)
-
-    def __init__(self, devices: Sequence[str], timeout_seconds: float = 0.0):
-        self.devices = tuple(devices)
-        self.timeout_seconds = float(timeout_seconds)
-        with tf.init_scope():
-            self._tokens = []
-            for d in self.devices:
-                with tf.device(d):
-                    self._tokens.append(
-                        tf.Variable(0.0, trainable=False, name="tfdist_ordering_token")
-                    )
-        self._group_keys = {}
-        self._instance_keys = {}
-        self._sequence = {}
-
-    def _token(self, replica: int):
-        return self._tokens[replica].handle
-
-    def _keys(self, replica: int, group: Tuple[int, ...]) -> Tuple[int, int]:
-        if tf.executing_eagerly():
-            raise RuntimeError(
-                "tfdist collectives run inside tf.function only: MirroredStrategy-"
-                "style replicas run one after another in eager mode, so a "
-                "collective would wait forever. Compile the Keras model with "
-                "run_eagerly=False (the default) or wrap strategy.run in "
-                "tf.function."
-            )
-        with self._key_lock:
-            if group not in self._group_keys:
-                self._group_keys[group] = next(self._next_group_key)
-            group_key = self._group_keys[group]
-            seq = self._sequence.get((group, replica), 0)
-            self._sequence[(group, replica)] = seq + 1
-            if (group, seq) not in self._instance_keys:
-                self._instance_keys[(group, seq)] = next(self._next_instance_key)
-            return group_key, self._instance_keys[(group, seq)]
-
-    def _common(self, replica, group):
-        group_key, instance_key = self._keys(replica, group)
-        return dict(
-            group_size=len(group),
-            group_key=group_key,
-            instance_key=instance_key,
-            ordering_token=[self._token(replica)],
-            communication_hint="auto",
-            timeout_seconds=self.timeout_seconds,
-        )
-
-    def all_reduce(self, x, replica: int, group: Tuple[int, ...], merge_op: str = "Add"):
-        """`merge_op` ("Add", "Max", "Min", "Mul") of `x` over the devices of `group`."""
-        with tf.device(self.devices[replica]):  # also the identity: no copy to device 0
-            if len(group) == 1:
-                return tf.identity(x)
-            return tf.raw_ops.CollectiveReduceV2(
-                input=x,
-                merge_op=merge_op,
-                final_op="Id",
-                **self._common(replica, group),
-            )
-
-    def all_gather(self, x, replica: int, group: Tuple[int, ...]):
-        """Concatenation along dimension 0 of `x` from each device of `group`."""
-        with tf.device(self.devices[replica]):
-            if len(group) == 1:
-                return tf.identity(x)
-            return tf.raw_ops.CollectiveGatherV2(input=x, **self._common(replica, group))
-
-    def all_to_all(self, x, replica: int, group: Tuple[int, ...]):
-        """Splits dimension 0 into `len(group)` parts, part j to device j."""
-        with tf.device(self.devices[replica]):
-            if len(group) == 1:
-                return tf.identity(x)
-            return tf.raw_ops.CollectiveAllToAllV2(
-                input=x, **self._common(replica, group)
-            )
 
 
 class AxisContext:
     """Where the current replica sits on one mesh axis.
 
     Attributes:
-        engine: the strategy's `CollectiveEngine`.
+        backend: the mesh's communication backend (`tfdist.comm.Backend`).
         replica: this replica's device index.
         group: the device indices that differ from this one only along the
             axis, in axis order.
         index: this replica's coordinate along the axis.
     """
 
-    def __init__(self, engine, replica, group):
-        self.engine = engine
+    def __init__(self, backend, replica, group):
+        self.backend = backend
         self.replica = replica
         self.group = group
         self.index = group.index(replica)
@@ -148,34 +51,29 @@ class AxisContext:
         return len(self.group)
 
 
-def _mesh_strategy():
-    strategy = tf.distribute.get_strategy()
-    return strategy if hasattr(strategy, "mesh") and hasattr(strategy, "engine") else None
-
-
 def current_mesh() -> Mesh:
-    """The mesh of the strategy in scope, or a one-device mesh."""
-    strategy = _mesh_strategy()
-    return strategy.mesh if strategy is not None else Mesh.single_device()
+    """The mesh of the strategy in scope, or a one-device mesh (`tfdist.runtime`)."""
+    return runtime.current_mesh()
 
 
 def axis_context(axis: Optional[str]) -> Optional[AxisContext]:
     """The replica's `AxisContext` for `axis`, or None where the axis is trivial."""
     if axis is None:
         return None
-    strategy = _mesh_strategy()
-    if strategy is None or tf.distribute.in_cross_replica_context():
+    mesh_runtime = runtime.current_runtime()
+    if mesh_runtime is None or tf.distribute.in_cross_replica_context():
         return None
-    if axis not in strategy.mesh.shape.names or strategy.mesh.shape.axis_size(axis) == 1:
+    mesh = mesh_runtime.mesh
+    if axis not in mesh.shape.names or mesh.shape.axis_size(axis) == 1:
         return None
     ctx = tf.distribute.get_replica_context()
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
     if replica is None:
         raise RuntimeError("tfdist collectives need a static replica id.")
-    replica = strategy.extended.mesh_device_index(int(replica))
-    for group in strategy.mesh.shape.groups([axis]):
+    replica = mesh_runtime.mesh_device_index(int(replica))
+    for group in mesh.shape.groups([axis]):
         if replica in group:
-            return AxisContext(strategy.engine, replica, group)
+            return AxisContext(mesh_runtime.backend, replica, group)
     raise AssertionError(f"replica {replica} is on no group of axis {axis!r}")
 
 
@@ -205,7 +103,7 @@ def _psum(ctx, x):
         def grad(dy):
             return _psum(ctx, dy)
 
-        return ctx.engine.all_reduce(x, ctx.replica, ctx.group), grad
+        return ctx.backend.all_reduce(x, ctx.replica, ctx.group), grad
 
     return op(x)
 
@@ -215,7 +113,7 @@ def pmax(x, axis: Optional[str]):
     ctx = axis_context(axis)
     if ctx is None:
         return tf.stop_gradient(x)
-    return tf.stop_gradient(ctx.engine.all_reduce(x, ctx.replica, ctx.group, merge_op="Max"))
+    return tf.stop_gradient(ctx.backend.all_reduce(x, ctx.replica, ctx.group, merge_op="Max"))
 
 
 def all_gather(x, axis: Optional[str], dim: int = 0):
@@ -248,7 +146,7 @@ def _all_gather(ctx, x, dim):
 
 def _gather_on(ctx, x, dim):
     dim = dim % x.shape.rank
-    stacked = ctx.engine.all_gather(x[tf.newaxis], ctx.replica, ctx.group)
+    stacked = ctx.backend.all_gather(x[tf.newaxis], ctx.replica, ctx.group)
     return tf.concat(tf.unstack(stacked, num=ctx.size), axis=dim)
 
 
@@ -286,7 +184,7 @@ def _exchange(ctx, x, split_dim):
             f"{ctx.size} devices of the mesh axis."
         )
     parts = tf.stack(tf.split(x, ctx.size, axis=split_dim), axis=0)
-    return ctx.engine.all_to_all(parts, ctx.replica, ctx.group)
+    return ctx.backend.all_to_all(parts, ctx.replica, ctx.group)
 
 
 def all_to_all(x, axis: Optional[str], split_dim: int, concat_dim: int):

@@ -5,6 +5,7 @@ If a TF upgrade renames or removes one of these hooks, these tests fail first.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy, values
 
@@ -96,28 +97,73 @@ def test_padded_sharded_variable_hides_its_padding():
     np.testing.assert_array_equal(layer.w.numpy(), full + 1)
 
 
-def test_marked_shard_gradients_skip_the_global_all_reduce():
-    strategy = MeshStrategy("data:2;model:2", "d_ff:model")
-    with strategy.scope():
-        block = _Block()
-        block.build(None)
-    var = block.w.value  # [4, 8] split over model: (4, 4) per device
+class _BlockWithBias(_Block):
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.b = self.add_weight(name="b", shape=(3,), initializer="zeros")
+
+
+def _replica_scaled_step(strategy, block, apply):
+    """In replica r, the gradient of every weight is r + 1 everywhere."""
 
     @tf.function
     def step():
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             scale = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+            weights = [block.w, block.b]
             with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tf.convert_to_tensor(var) * scale)
-            grad = tape.gradient(loss, var)
-            tied = grad * 1.0  # loses the mark: reduced over all replicas
-            return ctx.all_reduce("SUM", [grad, tied])
+                loss = sum(tf.reduce_sum(tf.convert_to_tensor(w.value) * scale) for w in weights)
+            apply(tape.gradient(loss, [w.value for w in weights]), weights)
 
-        return strategy.run(replica_fn)
+        strategy.run(replica_fn)
 
-    marked, unmarked = step()
-    for i, (m, u) in enumerate(zip(strategy.experimental_local_results(marked),
-                                   strategy.experimental_local_results(unmarked))):
-        np.testing.assert_allclose(m.numpy(), np.full((4, 4), i + 1.0))  # untouched
-        np.testing.assert_allclose(u.numpy(), np.full((4, 4), 10.0))  # 1 + 2 + 3 + 4
+    step()
+
+
+def test_keras_optimizer_routes_each_gradient_by_its_variable():
+    strategy = MeshStrategy("data:2;model:2", "d_ff:model")
+    with strategy.scope():
+        block = _BlockWithBias()
+        block.build(None)
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([block.w, block.b])
+    _replica_scaled_step(strategy, block,
+                         lambda grads, weights: optimizer.apply(grads, weights))
+    full = np.arange(32, dtype="float32").reshape(4, 8)
+    # Shard model=0 lives on devices 0 and 2 (replicas 1 + 3), model=1 on 1 and 3 (2 + 4).
+    np.testing.assert_allclose(block.w.numpy(), full - np.repeat([[4.0, 6.0]], 4, axis=1))
+    np.testing.assert_allclose(block.b.numpy(), np.full(3, -10.0))  # 1 + 2 + 3 + 4
+
+
+def test_the_keras_hook_tfdist_routes_at_still_exists():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    from tfdist.internal import optimizer_gradients
+
+    assert optimizer_gradients.installed()
+    assert optimizer_gradients._KERAS_ALL_REDUCE.__name__ == "_all_reduce_sum_gradients"
+    # Keras's update step still hands (gradient, variable) pairs to the hook.
+    import inspect
+
+    source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
+    assert "self._all_reduce_sum_gradients(grads_and_vars)" in source
+
+
+def test_a_sharded_weight_updated_from_an_unrouted_gradient_raises():
+    strategy = MeshStrategy("data:2;model:2", "d_ff:model")
+    with strategy.scope():
+        block = _BlockWithBias()
+        block.build(None)
+
+    def all_reduced_by_hand(grads, weights):
+        grads = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+
+        def update(strategy, grads):
+            for g, w in zip(grads, weights):
+                strategy.extended.update(w.value, lambda v, g: v.assign_sub(g), args=(g,))
+
+        tf.distribute.get_replica_context().merge_call(update, args=(grads,))
+
+    with pytest.raises(ValueError, match="did not route"):
+        _replica_scaled_step(strategy, block, all_reduced_by_hand)

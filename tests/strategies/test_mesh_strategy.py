@@ -1,11 +1,14 @@
 """MeshStrategy: true shards, routing of gradients, errors, strategy names."""
 
+import types
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfdist.layers import ShardedDense
+from tfdist.mesh import Mesh
 from tfdist.models import build_token_mlp, make_copy_task
 from tfdist.strategies import STRATEGY_NAMES, MeshStrategy, get_strategy
 
@@ -86,7 +89,7 @@ def test_sharded_weight_refuses_a_globally_reduced_gradient():
         reduced = strategy.extended.reduce_to("SUM", per_replica, destinations=var)
         return strategy.extended.update(var, lambda v, g: v.assign_sub(g), args=(reduced,))
 
-    with pytest.raises(ValueError, match="reduced over all replicas"):
+    with pytest.raises(ValueError, match="did not route"):
         step()
 
 
@@ -117,10 +120,26 @@ def test_run_eagerly_gives_a_clear_error():
 def test_wrong_device_count_is_rejected():
     with pytest.raises(ValueError, match="data:2;model:4 has 8 devices but 2 devices were given"):
         MeshStrategy("data:2;model:4", devices=["/cpu:0", "/cpu:1"])
-    with pytest.raises(ValueError, match=r"needs 16 devices but found 0 GPUs and 8 CPU devices"):
+    with pytest.raises(ValueError, match=r"needs 16 devices but found 8 CPU devices"):
         MeshStrategy("data:4;model:4")
     with pytest.raises(ValueError, match="appears twice"):
         MeshStrategy("data:2", devices=["/cpu:0", "/cpu:0"])
+    with pytest.raises(ValueError, match="'cpu', 'gpu' or None; received devices='tpu'"):
+        MeshStrategy("data:2", devices="tpu")
+
+
+def test_a_mesh_larger_than_the_gpus_raises_instead_of_falling_back_to_cpus(monkeypatch):
+    from tfdist.strategies.mesh_strategy import resolve_devices
+
+    real = tf.config.list_logical_devices
+    fake_gpus = [types.SimpleNamespace(name=f"/device:GPU:{i}") for i in range(2)]
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: fake_gpus if kind == "GPU" else real(kind))
+    mesh = Mesh.parse("data:2;model:2")
+    with pytest.raises(ValueError, match="needs 4 devices but found 2 GPUs.*devices='cpu'"):
+        resolve_devices(mesh)
+    assert resolve_devices(Mesh.parse("data:2")) == ["/device:GPU:0", "/device:GPU:1"]
+    assert resolve_devices(mesh, "cpu") == [d.name for d in real("CPU")][:4]
 
 
 def test_layer_that_does_not_divide_fails_at_build_naming_it():

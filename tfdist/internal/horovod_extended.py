@@ -2,7 +2,8 @@
 
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_reduce_to`, `_batch_reduce_to`, `_create_variable`,
-`_experimental_distribute_dataset`, `_num_replicas_in_sync`; `values.Mirrored`;
+`_experimental_distribute_dataset`, `_num_replicas_in_sync`, `_call_for_each_replica`;
+`values.Mirrored`;
 `input_util.get_distributed_dataset`; through `ShardRouting` and
 `ShardedVariable` those of `mesh_extended`.
 
@@ -10,7 +11,8 @@ Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 (horovod#4290), so instead of wrapping the optimizer we make Horovod the
 strategy's cross-replica engine: a MirroredExtended over this process's one
 device whose replica count is `hvd.size()`, whose reductions are Horovod
-all-reduces (grouped for gradients), whose variables start from rank 0's
+all-reduces (gradients routed by variable through `tfdist.comm.HorovodBackend`'s
+grouped all-reduce, see `ShardRouting`), whose variables start from rank 0's
 initial values, and whose datasets give each rank its contiguous slice of
 every global batch (as MirroredStrategy splits a batch over its devices), so
 an unmodified Keras 3 `fit` trains exactly like one process on the same
@@ -18,14 +20,14 @@ global batches. Metric variables are on-read synchronised: read outside a
 step (Keras's epoch and `evaluate` logs) they are summed over ranks.
 
 Keras's `predict` concatenates what `strategy.run` returns on this process
-only; for its step function (recognised by its qualified name,
-`...make_predict_function.<locals>...`) the outputs are all-gathered in rank
-order, so every rank's `predict` returns all rows in order.
+only; for its step function (recognised by `tfdist.internal.keras_predict`)
+the outputs are all-gathered in rank order, so every rank's `predict` returns
+all rows in order.
 
 With a mesh, rank `r` is mesh device `r`: a sharded weight is a
 `HorovodShardedVariable` holding only this rank's shard (cut from rank 0's
 global initial value), its gradient is summed over the ranks that hold the
-same shard (`ShardRouting`, with Horovod process sets as the engine), and
+same shard (`ShardRouting`, with Horovod process sets as the backend), and
 reading it globally (`get_weights`, saving) all-gathers the shards, so every
 rank must read it at the same time.
 """
@@ -36,6 +38,7 @@ from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
+from tfdist.internal.keras_predict import is_keras_predict_step
 from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global
 
 
@@ -51,15 +54,12 @@ class HorovodShardedVariable(ShardedVariable):
 
 
 class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
-    def __init__(self, container_strategy, hvd, device, compression, mesh, engine,
-                 adasum=False):
+    def __init__(self, container_strategy, hvd, device, mesh, backend):
         super().__init__(container_strategy, devices=[device],
                          cross_device_ops=cross_device_ops_lib.ReductionToOneDevice())
         self.hvd = hvd
         self.mesh = mesh
-        self.engine = engine
-        self.compression = compression
-        self.adasum = adasum
+        self.backend = backend
         self._count = 0
         self._init_routing()
 
@@ -98,32 +98,27 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         self._count += 1
         return self._count
 
-    # -- reductions: Horovod all-reduce over ranks ------------------------------
-
-    def _op(self, reduce_op):
-        if self.adasum:
-            return self.hvd.Adasum
-        return self.hvd.Sum if reduce_op == tf.distribute.ReduceOp.SUM else self.hvd.Average
+    # -- reductions other than gradients (metrics, strategy.reduce) ------------
+    # Gradients go through `ShardRouting.reduce_gradients` and the backend.
 
     def _allreduce(self, reduce_op, tensors):
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         if self.hvd.size() == 1:
             return tensors
-        return self.hvd.grouped_allreduce(tensors, op=self._op(reduce_op),
-                                          compression=self.compression,
-                                          name=f"tfdist_reduce_{self._next()}")
+        op = self.hvd.Sum if reduce_op == tf.distribute.ReduceOp.SUM else self.hvd.Average
+        return self.hvd.grouped_allreduce(tensors, op=op, name=f"tfdist_reduce_{self._next()}")
 
     def _local(self, value):
         if isinstance(value, values.DistributedValues):
             return value.values[0]
         return value
 
-    def _reduce_all(self, reduce_op, value, destinations, options):
+    def _reduce_to(self, reduce_op, value, destinations, options):
         (reduced,) = self._allreduce(reduce_op, [self._local(value)])
         return values.Mirrored((reduced,)) if isinstance(value, values.DistributedValues) \
             else reduced
 
-    def _batch_reduce_all(self, reduce_op, value_destination_pairs, options):
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         reduced = self._allreduce(reduce_op, [self._local(v) for v, _ in value_destination_pairs])
         return [values.Mirrored((r,)) for r in reduced]
 
@@ -131,7 +126,7 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         out = super()._call_for_each_replica(fn, args, kwargs)
-        if self.hvd.size() > 1 and _is_keras_predict_step(fn):
+        if self.hvd.size() > 1 and is_keras_predict_step(fn):
             out = tf.nest.map_structure(
                 lambda t: self.hvd.allgather(self._local(t), name=f"tfdist_predict_{self._next()}"),
                 out)
@@ -155,15 +150,3 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         return input_util.get_distributed_dataset(
             dataset, self._input_workers_with_options(options), self._container_strategy(),
             num_replicas_in_sync=1, options=options)
-
-
-def _is_keras_predict_step(fn) -> bool:
-    """Whether `fn` is (a wrapper of) the step Keras's `make_predict_function` builds."""
-    seen = 0
-    while fn is not None and seen < 10:
-        if "make_predict_function" in getattr(fn, "__qualname__", ""):
-            return True
-        fn = (getattr(fn, "__wrapped__", None) or getattr(fn, "python_function", None)
-              or getattr(fn, "_tf_decorator", None) and fn._tf_decorator.decorated_target)
-        seen += 1
-    return False

@@ -1,8 +1,8 @@
 """MeshExtended and ShardedVariable: true shards under tf.distribute.
 
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
-`_create_variable`, `_batch_reduce_to`, `_reduce_to`, `_update`,
-`_use_merge_call`; `MirroredVariable` and its hooks `_get_cross_replica`,
+`_create_variable`, `_update`, `_use_merge_call`, `_initialize_strategy`;
+`MirroredVariable` and its hooks `_get_cross_replica`,
 `_update_cross_replica`, `_update_replica`, `_serialize_to_tensors`,
 `_restore_from_tensors`.
 
@@ -14,20 +14,15 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
    layout, so weights and slots are 1/M per device.
 2. In a replica, the weight reads as its local shard; the layer computes on it
    and calls named-axis collectives (`tfdist.collectives`).
-3. Keras's optimizer all-reduces *every* gradient over all replicas
-   (`_batch_reduce_to`). A sharded weight's read in a replica passes through an
-   identity whose gradient function marks the gradient it produces; marked
-   gradients skip the global all-reduce. Every other value is reduced, and we
-   remember, for each reduced output, the unreduced per-replica inputs.
-4. In `_update(var, ...)` a sharded weight looks its gradient up in that
-   record and sums the *unreduced* shard gradients over only the replicas that
-   hold the same shard. A sharded weight whose gradient was reduced elsewhere
-   (so the record lacks it) raises rather than training wrong.
-
-Because the record is keyed by the all-reduce outputs, everything Keras does
-before the all-reduce that loses the mark (loss scaling, tied weights summing
-two reads) still trains right; those gradients just pay for one unneeded
-global reduction.
+3. Keras's TF optimizer hands its `(gradient, variable)` pairs to
+   `_all_reduce_sum_gradients` before any reduction; tfdist's hook there
+   (`tfdist.internal.optimizer_gradients`) passes them, in one merge call, to
+   `ShardRouting.reduce_gradients`: replicated weights' gradients are summed
+   over all replicas (fused buckets on the mesh's backend), sharded weights'
+   gradients over the replicas that hold the same shard.
+4. `_update(var, ...)` applies each replica's reduced gradient to its own
+   component. A trainable sharded weight whose gradient was not routed in
+   the same graph raises rather than training wrong.
 """
 
 import numpy as np
@@ -92,10 +87,7 @@ class ShardedVariable(values.MirroredVariable):
         return tf.identity(self._get())
 
     def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        value = tf.convert_to_tensor(self._get(), dtype=dtype, name=name)
-        if distribute_lib.get_update_replica_id() is None and self._local_replica_id() is not None:
-            value = self._distribute_strategy.extended.mark_shard_read(value)
-        return value
+        return tf.convert_to_tensor(self._get(), dtype=dtype, name=name)
 
     def __array__(self, dtype=None):
         # Without this, numpy conversion (Keras saving) is delegated to the
@@ -164,49 +156,41 @@ def split_global(layout: TensorLayout, value):
     return [value[layout.shard_slices(i)] for i in range(layout.mesh_shape.size)]
 
 
-def _identity_chain(t):
-    """`t` and each tensor it forwards through Identity/IdentityN ops; [] in eager mode."""
-    if tf.executing_eagerly() or not hasattr(t, "op"):
-        return []
-    chain = [t]
-    while t.op.type in ("Identity", "IdentityN"):
-        t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
-        chain.append(t)
-    return chain
+def _dense(value):
+    """A gradient as a dense tensor (an `IndexedSlices` sum is scattered into zeros).
 
-
-def _source_or_none(t):
-    """The tensor `t` forwards through identities, or None in eager mode."""
-    chain = _identity_chain(t)
-    return chain[-1] if chain else None
+    Keras's optimizers compute with dense moments either way (`ops.subtract`
+    of `IndexedSlices` and a variable is dense), so this changes no update.
+    """
+    return tf.convert_to_tensor(value)
 
 
 class ShardRouting:
     """Mixin for a MirroredExtended whose variables may be `ShardedVariable`s.
 
-    Routes each shard gradient to a reduction over the replicas that hold the
-    same shard (see the module docstring); every other value goes to the
-    subclass's `_reduce_all`/`_batch_reduce_all` (over all replicas). Needs
-    `self.engine` (a collective engine) and `self._devices` (local devices).
+    Gradients reach `reduce_gradients` paired with their variables (through the
+    optimizer hook of `tfdist.internal.optimizer_gradients`), before any
+    reduction:
+
+    - a replicated weight's gradient is summed over every replica, all of them
+      fused into a few buckets (`Backend.batch_all_reduce`);
+    - a sharded weight's gradient is summed over the replicas that hold the
+      same shard (`TensorLayout.shard_owner_groups`), fused per group.
+
+    Everything else TF reduces (metrics, `strategy.reduce`) goes to the
+    subclass's `_batch_reduce_to`/`_reduce_to`. A trainable sharded weight
+    updated from a gradient that did not pass `reduce_gradients` in the same
+    graph (a custom loop that all-reduced it over every replica) raises rather
+    than training wrong. Needs `self.backend` and `self._devices` (local devices).
     """
 
     def _init_routing(self):
-        self._record_graph = None
-        self._reduced = {}
-        self._foreign = set()
-        self._marked = set()
+        self._routed_graph = None
+        self._routed = set()
 
     def mesh_device_index(self, local_replica: int) -> int:
         """The mesh device index of this process's replica `local_replica`."""
         return local_replica
-
-    def _batch_reduce_all(self, reduce_op, value_destination_pairs, options):
-        return mirrored_strategy.MirroredExtended._batch_reduce_to(
-            self, reduce_op, value_destination_pairs, options)
-
-    def _reduce_all(self, reduce_op, value, destinations, options):
-        return mirrored_strategy.MirroredExtended._reduce_to(
-            self, reduce_op, value, destinations, options)
 
     # -- variables ---------------------------------------------------------
 
@@ -287,140 +271,90 @@ class ShardRouting:
         return self._sharded_variable_class(
             self._container_strategy(), components, aggregation, layout)
 
-    # -- reductions --------------------------------------------------------
-
-    def _current_record(self):
-        graph = ops.get_default_graph()
-        if self._record_graph is not graph:
-            self._record_graph = graph
-            self._reduced = {}
-            self._foreign = set()
-            self._marked = set()
-        return self._reduced
-
-    def mark_shard_read(self, value):
-        """Identity on a shard's read whose gradient is marked as a shard gradient."""
-        if tf.executing_eagerly():
-            return value
-
-        @tf.custom_gradient
-        def read(x):
-            def grad(dy):
-                # Dense, also after a gather: sparse (lazy) Adam moments would
-                # differ from the single-device reference.
-                dy = tf.identity(tf.convert_to_tensor(dy))
-                self._current_record()
-                self._marked.add(dy.ref())
-                return dy
-
-            return tf.identity(x), grad
-
-        return read(value)
+    # -- gradients: routed by variable ---------------------------------------
 
     def _components(self, value):
-        """The per-replica tensors of `value`, or None if it is not a per-replica value.
+        """The per-replica tensors of `value` (one per local device).
 
-        With one local replica (HorovodStrategy) TF hands reductions and updates
-        the plain local tensor rather than a one-component `PerReplica`.
+        With one local replica (HorovodStrategy) TF hands merge calls and
+        updates the plain local tensor rather than a one-component `PerReplica`.
         """
-        if isinstance(value, values.DistributedVariable):
-            return None
         if isinstance(value, values.DistributedValues):
-            return value.values
-        if len(self._devices) == 1 and isinstance(value, (tf.Tensor, tf.IndexedSlices)):
-            return (value,)
-        return None
+            return tuple(value.values)
+        return (value,) * len(self._devices) if len(self._devices) == 1 else None
 
-    def _is_marked(self, value) -> bool:
-        """Whether every component forwards (through identities) a marked gradient."""
-        components = self._components(value)
-        if components is None:
-            return False
-        self._current_record()
-        return all(
-            any(t.ref() in self._marked for t in _identity_chain(c)) for c in components
-        )
+    def _wrap(self, components, mirrored: bool):
+        if len(self._devices) == 1:
+            return components[0]
+        return (values.Mirrored if mirrored else values.PerReplica)(tuple(components))
 
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        marked = [self._is_marked(v) for v, _ in value_destination_pairs]
-        others = [p for p, m in zip(value_destination_pairs, marked) if not m]
-        reduced_others = iter(
-            self._batch_reduce_all(reduce_op, others, options) if others else []
-        )
-        # Shard gradients pass through unreduced; `_update` reduces them per shard group.
-        results = [v if m else next(reduced_others)
-                   for (v, _), m in zip(value_destination_pairs, marked)]
-        reduced = self._current_record()
-        for (value, _), result in zip(value_destination_pairs, results):
-            result_components = self._components(result)
-            if self._components(value) is None or result_components is None:
-                continue
-            entry = (reduce_op, value)
-            for component in result_components:
-                src = _source_or_none(component)
-                if src is not None:
-                    reduced[src.ref()] = entry
-        return results
+    def _routed_set(self):
+        graph = ops.get_default_graph()
+        if self._routed_graph is not graph:
+            self._routed_graph, self._routed = graph, set()
+        return self._routed
 
-    def _reduce_to(self, reduce_op, value, destinations, options):
-        result = self._reduce_all(reduce_op, value, destinations, options)
-        self._current_record()
-        for component in getattr(result, "values", (result,)):
-            src = _source_or_none(component)
-            if src is not None and hasattr(src, "ref"):
-                self._foreign.add(src.ref())
-        return result
+    def reduce_gradients(self, grads_and_vars):
+        """Sums each gradient over the replicas its variable needs; the data path.
+
+        Called in cross-replica context (a merge call) with every replica's
+        gradient of each variable. Returns the reduced gradients in order:
+        `Mirrored` for replicated variables, `PerReplica` shards for sharded ones.
+        """
+        grads_and_vars = list(grads_and_vars)
+        n_local = len(self._devices)
+        everyone = tuple(range(self.mesh.size))
+        # Per local replica: {group: [positions]} in variable order, last layer first
+        # so that the first fused bucket is ready first in the backward pass.
+        plan = [dict() for _ in range(n_local)]
+        routed = self._routed_set()
+        components = []
+        for k, (grad, var) in enumerate(grads_and_vars):
+            parts = self._components(grad)
+            if parts is None:
+                raise ValueError(
+                    f"tfdist expected one gradient per replica for {var.name!r}; "
+                    f"received {grad!r}.")
+            components.append(parts)
+            if isinstance(var, ShardedVariable):
+                routed.add(id(var))
+                groups = var.layout.shard_owner_groups()
+            for i in range(n_local):
+                index = self.mesh_device_index(i)
+                if isinstance(var, ShardedVariable):
+                    group = next(g for g in groups if index in g)
+                else:
+                    group = everyone
+                plan[i].setdefault(tuple(group), []).append(k)
+        reduced = [[None] * n_local for _ in grads_and_vars]
+        for i in range(n_local):
+            index = self.mesh_device_index(i)
+            with tf.device(self._devices[i]):
+                for group, positions in plan[i].items():
+                    positions = positions[::-1]
+                    dense = [_dense(components[k][i]) for k in positions]
+                    for k, r in zip(positions, self.backend.batch_all_reduce(dense, index, group)):
+                        reduced[k][i] = r
+        return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))
+                for r, (_, v) in zip(reduced, grads_and_vars)]
 
     def _update(self, var, fn, args, kwargs, group):
-        if isinstance(var, ShardedVariable):
-            args = tuple(self._shard_gradient(var, a) for a in args)
-        return super()._update(var, fn, args, kwargs, group)
-
-    def _shard_gradient(self, var: ShardedVariable, value):
-        """Re-reduces a gradient of `var` over the replicas that share each shard."""
-        components = self._components(value)
-        if components is None:
-            return value
-        reduced = self._current_record()
-        sources = [_source_or_none(c) for c in components]
-        found = [reduced.get(s.ref()) if s is not None else None for s in sources]
-        if all(f is None for f in found):
-            if any(s is not None and s.ref() in self._foreign for s in sources) or any(
-                s is None for s in sources
-            ):
-                raise ValueError(
-                    f"Sharded variable {var.name!r} (layout {var.layout}) received "
-                    f"a value that was reduced over all replicas, or whose "
-                    f"reduction tfdist cannot trace (eager mode). Its shards differ "
-                    f"per device, so that would train it wrong. Train sharded "
-                    f"weights inside tf.function (Keras run_eagerly=False) and "
-                    f"let the optimizer reduce gradients."
-                )
-            return value  # Unreduced per-replica value (e.g. gradient accumulation).
-        if any(f is None or f is not found[0] for f in found):
+        if (isinstance(var, ShardedVariable) and var.trainable and args
+                and id(var) not in self._routed_set() and not tf.executing_eagerly()):
             raise ValueError(
-                f"Gradient components of sharded variable {var.name!r} come from "
-                f"different reductions; cannot route them to their shards."
-            )
-        reduce_op, unreduced = found[0]
-        groups = var.layout.shard_owner_groups()
-        out = []
-        for i, local in enumerate(self._components(unreduced)):
-            index = self.mesh_device_index(i)
-            group = next(g for g in groups if index in g)
-            with tf.device(self._devices[i]):  # every op on the shard's device
-                local = tf.convert_to_tensor(local)  # IndexedSlices -> dense shard
-                summed = self.engine.all_reduce(local, index, group)
-                if reduce_op == tf.distribute.ReduceOp.MEAN:
-                    summed = summed / len(group)
-            out.append(summed)
-        return values.PerReplica(tuple(out))
+                f"Sharded variable {var.name!r} (layout {var.layout}) is being updated "
+                f"from a value that tfdist did not route: its shards differ per device, "
+                f"so a gradient all-reduced over every replica would train it wrong. "
+                f"Apply gradients with a Keras optimizer (`model.fit`, "
+                f"`optimizer.apply_gradients` inside `strategy.run`), which tfdist "
+                f"routes per shard.")
+        return super()._update(var, fn, args, kwargs, group)
 
 
 class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     """MirroredExtended whose variables may be shards; see the module docstring."""
 
-    def __init__(self, container_strategy, mesh, devices, engine):
+    def __init__(self, container_strategy, mesh, devices, backend):
         # MirroredExtended refuses devices of several tasks in eager mode; a
         # single controller driving remote workers (like TPUStrategy) is what
         # tfdist's mesh over workers is, so initialise on the first device and
@@ -432,7 +366,7 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         )
         self._initialize_strategy(devices)
         self.mesh = mesh
-        self.engine = engine
+        self.backend = backend
         self._init_routing()
 
     # -- execution ---------------------------------------------------------

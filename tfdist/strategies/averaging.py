@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tfdist.collectives import CollectiveEngine
+from tfdist.comm.tf_collectives import TFCollectiveBackend
 from tfdist.internal.averaging_extended import AveragingExtended
 from tfdist.mesh import Mesh
 from tfdist.strategies.mesh_strategy import resolve_devices
@@ -61,7 +61,7 @@ class ModelAveragingStrategy(tf.distribute.Strategy):
             num_replicas = max(1, len(tf.config.list_logical_devices("GPU")))
         n = len(devices) if devices is not None else num_replicas
         devices = resolve_devices(Mesh.parse(f"data:{n}"), devices)
-        engine = CollectiveEngine(devices, timeout_seconds=collective_timeout)
+        engine = TFCollectiveBackend(devices, timeout_seconds=collective_timeout)
         super().__init__(AveragingExtended(self, devices, engine, period, average_slots,
                                            block_momentum, block_lr))
         self.engine = engine

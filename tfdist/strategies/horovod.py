@@ -5,15 +5,17 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
+from tfdist.internal import optimizer_gradients
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.mesh import Mesh
-from tfdist.strategies.horovod_mesh import HorovodEngine, init_with_process_sets
+from tfdist.runtime import MeshRuntime
 
 _COMPRESSIONS = ("none", "fp16")
 GLOO_TIMEOUT_SECONDS = 30  # HOROVOD_GLOO_TIMEOUT_SECONDS unless the environment sets it
 
 
-class HorovodStrategy(tf.distribute.Strategy):
+class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     """One replica per Horovod process; gradients by Horovod's ring all-reduce.
 
     Launch with `horovodrun -np N --gloo -H localhost:N python script.py`
@@ -85,16 +87,25 @@ class HorovodStrategy(tf.distribute.Strategy):
         if mesh is None:
             hvd.init()
             mesh = Mesh.parse(f"data:{hvd.size()}", layout)
-        engine = HorovodEngine(hvd, init_with_process_sets(hvd, mesh))
+        codec = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
+        backend = HorovodBackend(hvd, init_with_process_sets(hvd, mesh), compression=codec,
+                                 adasum=reduction == "adasum")
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
-        codec = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
-        super().__init__(HorovodExtended(self, hvd, device, codec, mesh, engine,
-                                         adasum=reduction == "adasum"))
+        optimizer_gradients.install()
+        super().__init__(HorovodExtended(self, hvd, device, mesh, backend))
         self.hvd = hvd
         self.mesh = mesh
-        self.engine = engine
+        self._backend = backend
+
+    @property
+    def backend(self) -> HorovodBackend:
+        return self._backend
+
+    @property
+    def is_chief(self) -> bool:
+        return self.hvd.rank() == 0
 
     @property
     def rank(self) -> int:
@@ -116,7 +127,7 @@ class HorovodStrategy(tf.distribute.Strategy):
         return list(stacked.numpy())
 
     @property
-    def collective_weight_reads(self) -> bool:
+    def collective_weight_reads(self) -> bool:  # MeshRuntime
         """Whether reading a weight globally is a collective (some layout rule splits)."""
         return any(self.mesh.axis_size(axis) > 1 and logical != "batch"
                    for logical, axis in self.mesh.rules.rules)

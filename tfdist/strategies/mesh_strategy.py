@@ -1,35 +1,52 @@
 """MeshStrategy: one replica per mesh device, weights truly sharded."""
 
-from typing import Optional, Sequence
+from typing import Sequence, Union
 
 import tensorflow as tf
 from absl import logging
 
-from tfdist.collectives import CollectiveEngine
+from tfdist.comm import fusion
+from tfdist.comm.tf_collectives import TFCollectiveBackend
+from tfdist.internal import optimizer_gradients
 from tfdist.internal.mesh_extended import MeshExtended
 from tfdist.mesh import Mesh
+from tfdist.runtime import MeshRuntime
 
 
-def resolve_devices(mesh: Mesh, devices: Optional[Sequence[str]] = None):
+def resolve_devices(mesh: Mesh, devices: Union[None, str, Sequence[str]] = None):
     """The devices of `mesh`, given or found, checked against its size.
 
-    Without `devices`, uses the first `mesh.size` logical GPUs if there are
-    enough, else the first `mesh.size` logical CPUs.
+    Args:
+        mesh: the mesh.
+        devices: device names (one per mesh device, row-major); or "gpu" /
+            "cpu" for the first `mesh.size` logical devices of that kind; or
+            None: GPUs when there are any, else CPUs. A machine with GPUs
+            never falls back to CPUs silently: a mesh larger than its GPUs
+            raises unless `devices="cpu"` asks for CPUs.
     """
-    if devices is not None:
+    if devices is not None and not isinstance(devices, str):
         devices = [d.name if hasattr(d, "name") else str(d) for d in devices]
         dupes = sorted({d for d in devices if devices.count(d) > 1})
         if dupes:
             raise ValueError(f"Device {dupes[0]!r} appears twice in devices={devices}.")
         mesh.shape.check_devices(len(devices), "given")
         return devices
+    if devices is not None and devices.lower() not in ("cpu", "gpu"):
+        raise ValueError(f"devices must be a list of device names, 'cpu', 'gpu' or None; "
+                         f"received devices={devices!r}.")
     gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-    found = gpus if len(gpus) >= mesh.size else cpus
+    kind = devices.lower() if devices else ("gpu" if gpus else "cpu")
+    found = gpus if kind == "gpu" else cpus
     if len(found) < mesh.size:
+        if kind == "gpu":
+            raise ValueError(
+                f"Mesh shape {mesh.shape} needs {mesh.size} devices but found "
+                f"{len(gpus)} GPUs: use a mesh of at most {len(gpus)} devices, or "
+                f"devices='cpu' to run the mesh on (virtual) CPU devices instead.")
         raise ValueError(
             f"Mesh shape {mesh.shape} needs {mesh.size} devices but found "
-            f"{len(gpus)} GPUs and {len(cpus)} CPU devices: use a smaller mesh, "
+            f"{len(cpus)} CPU devices: use a smaller mesh, "
             f"or split the CPU with tfdist.testing.split_cpu({mesh.size}) (or "
             f"tf.config.set_logical_device_configuration) before TensorFlow "
             f"initialises its devices."
@@ -37,7 +54,7 @@ def resolve_devices(mesh: Mesh, devices: Optional[Sequence[str]] = None):
     return found[: mesh.size]
 
 
-class MeshStrategy(tf.distribute.Strategy):
+class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
     """A `tf.distribute` strategy over a named device mesh with sharded weights.
 
     Every device of the mesh is one replica. Weights whose logical axes the
@@ -45,19 +62,26 @@ class MeshStrategy(tf.distribute.Strategy):
     layers declare the axes); all other weights are replicated. The global
     batch is split over all replicas; sharded layers gather what they need with
     named-axis collectives (`tfdist.collectives`). Gradients of a sharded
-    weight are summed only over the replicas that hold the same shard.
+    weight are summed only over the replicas that hold the same shard; those
+    of replicated weights over all replicas, fused into buckets of
+    `bucket_bytes` and reduced with the mesh's collectives (ring over the
+    devices; NCCL on GPUs), never through one device.
     Checkpoints (`save_weights`, `model.save`, `get_weights`) hold global
     tensors, so they load onto any mesh or into a plain Keras model.
 
     Args:
         mesh_shape: Mesh-TF mesh shape, e.g. `"data:2;model:2"`.
         layout: Mesh-TF layout rules, e.g. `"batch:data;d_ff:model"`.
-        devices: device names, one per mesh device (row-major). Default: the
-            first `size` logical GPUs, else CPUs.
+        devices: device names, one per mesh device (row-major); "gpu" or
+            "cpu" for the first `size` logical devices of that kind. Default:
+            GPUs when the machine has any (a mesh larger than them raises),
+            else CPUs.
         collective_timeout: seconds a collective may wait for its peers before
             failing instead of hanging; 0 (default) waits forever. Each
             collective execution then holds a sleeping thread for that long,
             so keep it for debugging hangs.
+        bucket_bytes: largest fused bucket of data-parallel gradients
+            (default 25 MiB, PyTorch DDP's default).
 
     Example:
 
@@ -75,23 +99,34 @@ class MeshStrategy(tf.distribute.Strategy):
     """
 
     # Read by MirroredExtended for the group keys of TF's own collectives
-    # (unused: tfdist's engine has its own keys); distinct from MirroredStrategy's.
+    # (unused: tfdist's backend has its own keys); distinct from MirroredStrategy's.
     _collective_key_base = 50000
 
     def __init__(
         self,
         mesh_shape="data:1",
         layout=None,
-        devices: Optional[Sequence[str]] = None,
+        devices: Union[None, str, Sequence[str]] = None,
         collective_timeout: float = 0.0,
+        bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
     ):
         mesh = mesh_shape if isinstance(mesh_shape, Mesh) else Mesh.parse(mesh_shape, layout)
         devices = resolve_devices(mesh, devices)
-        engine = CollectiveEngine(devices, timeout_seconds=collective_timeout)
-        super().__init__(MeshExtended(self, mesh, devices, engine))
+        backend = TFCollectiveBackend(devices, timeout_seconds=collective_timeout,
+                                      bucket_bytes=bucket_bytes)
+        optimizer_gradients.install()
+        super().__init__(MeshExtended(self, mesh, devices, backend))
         self.mesh = mesh
-        self.engine = engine
+        self._backend = backend
         logging.info("MeshStrategy: %s on %s", mesh, devices)
+
+    @property
+    def backend(self) -> TFCollectiveBackend:
+        return self._backend
+
+    @property
+    def is_chief(self) -> bool:
+        return True  # the single controller, also of a mesh over workers
 
     @property
     def devices(self):

@@ -1,11 +1,11 @@
-"""A mesh over Horovod ranks: process sets per device group, named-axis collectives.
+"""HorovodBackend: a mesh over Horovod ranks, process sets per device group.
 
 Rank `r` is mesh device `r` (row-major over the mesh axes). Every group of
 devices a sharded layer or a shard gradient can reduce over (the devices
 that differ only along some subset of the mesh axes) becomes a Horovod
 process set, registered once at `hvd.init`; the whole mesh is Horovod's
-global set. `HorovodEngine` has the interface of `tfdist.collectives`'s
-engine, so every sharded layer runs unchanged with one shard per rank.
+global set. `HorovodBackend` implements `tfdist.comm.Backend`, so every
+sharded layer runs unchanged with one shard per rank.
 
 Horovod matches collectives across ranks by name (and orders them itself),
 so each op gets the next name of a per-process counter: every rank traces
@@ -14,13 +14,13 @@ the same program, so the names agree.
 
 import itertools
 import os
-from typing import Dict, Tuple
+from typing import Dict
 
 import tensorflow as tf
 
+from tfdist.comm.base import Group
 from tfdist.mesh import Mesh
 
-Group = Tuple[int, ...]
 
 # Process sets tfdist registered at hvd.init, by sorted ranks: a later
 # strategy on the same ranks reuses them (Horovod registers sets only at init).
@@ -76,19 +76,24 @@ def _size_error(mesh: Mesh, ranks: int) -> str:
             f"e.g. 'data:{ranks}', or start {mesh.size} ranks (horovodrun -np {mesh.size}).")
 
 
-class HorovodEngine:
-    """Named-axis collectives among Horovod ranks (one mesh device per rank).
+class HorovodBackend:
+    """Collectives among Horovod ranks (one mesh device per rank).
 
     Args:
         hvd: `horovod.tensorflow`, initialised.
         process_sets: `{group: ProcessSet}` from `init_with_process_sets`.
+        compression: `hvd.Compression.none` or `.fp16`, for `batch_all_reduce`.
+        adasum: `batch_all_reduce` of the whole mesh with Horovod's Adasum.
     """
 
     _names = itertools.count()
 
-    def __init__(self, hvd, process_sets: Dict[Group, object]):
+    def __init__(self, hvd, process_sets: Dict[Group, object], compression=None,
+                 adasum: bool = False):
         self.hvd = hvd
         self.process_sets = dict(process_sets)
+        self.compression = compression
+        self.adasum = adasum
 
     def _set(self, group: Group):
         if len(group) == self.hvd.size():
@@ -119,3 +124,14 @@ class HorovodEngine:
         if len(group) == 1:
             return tf.identity(x)
         return self.hvd.alltoall(x, process_set=self._set(group), name=self._name("alltoall"))
+
+    def batch_all_reduce(self, tensors, replica: int, group: Group):
+        """Sums over `group` with one `hvd.grouped_allreduce` (Horovod fuses the tensors)."""
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        if len(group) == 1 or not tensors:
+            return [tf.identity(t) for t in tensors]
+        op = self.hvd.Adasum if self.adasum and len(group) == self.hvd.size() else self.hvd.Sum
+        compression = self.compression or self.hvd.Compression.none
+        return self.hvd.grouped_allreduce(tensors, op=op, compression=compression,
+                                          process_set=self._set(group),
+                                          name=self._name("grads"))

@@ -7,8 +7,8 @@ import pytest
 
 from tfdist.callbacks import on_chief
 from tfdist.mesh import Mesh
-from tfdist.strategies import horovod_mesh
-from tfdist.strategies.horovod_mesh import HorovodEngine, init_with_process_sets, mesh_groups
+from tfdist.comm import horovod as horovod_backend
+from tfdist.comm.horovod import HorovodBackend, init_with_process_sets, mesh_groups
 
 
 def test_groups_are_every_axis_subset_except_single_devices_and_the_whole_mesh():
@@ -41,7 +41,7 @@ class FakeHorovod:
 
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
-    monkeypatch.setattr(horovod_mesh, "_REGISTERED", {})
+    monkeypatch.setattr(horovod_backend, "_REGISTERED", {})
     monkeypatch.delenv("HOROVOD_SIZE", raising=False)
 
 
@@ -70,7 +70,7 @@ def test_engine_picks_the_process_set_of_the_group():
     hvd = FakeHorovod(4)
     calls = []
     hvd.allreduce = lambda x, op, process_set, name: calls.append((op, process_set)) or x
-    engine = HorovodEngine(hvd, {(0, 2): "ps02"})
+    engine = HorovodBackend(hvd, {(0, 2): "ps02"})
     engine.all_reduce(1.0, 0, (0, 2), merge_op="Max")
     engine.all_reduce(1.0, 0, (0, 1, 2, 3))
     assert calls == [("max", "ps02"), ("sum", "global")]

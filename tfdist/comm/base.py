@@ -1,0 +1,51 @@
+"""The communication-backend interface every tfdist strategy talks through.
+
+A backend moves tensors among the devices of one mesh. Every call names the
+calling replica by its *mesh device index* and the group of mesh device
+indices taking part (in axis order); every device of the group makes the
+same call in the same order. Two implementations sit side by side in this
+package:
+
+- `TFCollectiveBackend` (`tf_collectives.py`): TensorFlow's V2 collective ops
+  among the devices of one process or of a single-controller cluster (ring
+  over gRPC between tasks, NCCL on GPUs).
+- `HorovodBackend` (`horovod.py`): Horovod collectives among ranks, one mesh
+  device per rank, over process sets registered at `hvd.init`.
+
+Adding a collective means adding a method here and to both implementations.
+Layers never call a backend directly: they call the named-axis collectives of
+`tfdist.collectives`, which find the backend of the ambient mesh
+(`tfdist.runtime.current_runtime()`); the strategies call `batch_all_reduce`
+for gradients.
+"""
+
+from typing import List, Protocol, Sequence, Tuple, runtime_checkable
+
+Group = Tuple[int, ...]
+"""Mesh device indices taking part in one collective, in axis order."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Collectives among the devices of a mesh.
+
+    Shapes: `x` is the calling device's tensor; `n = len(group)`.
+    """
+
+    def all_reduce(self, x, replica: int, group: Group, merge_op: str = "Add"):
+        """`merge_op` ("Add", "Max", "Min") of `x` over `group`; same shape as `x`."""
+
+    def all_gather(self, x, replica: int, group: Group):
+        """`[n * d0, ...]`: `x` of every device of `group` concatenated on dimension 0."""
+
+    def all_to_all(self, x, replica: int, group: Group):
+        """Splits dimension 0 of `x` into `n` parts; part `j` goes to the `j`-th device."""
+
+    def batch_all_reduce(self, tensors: Sequence, replica: int, group: Group) -> List:
+        """Sums of every tensor of `tensors` over `group`, fused into few collectives.
+
+        Every device of `group` passes tensors of the same shapes and dtypes in
+        the same order. This is the data-parallel gradient path: the backend
+        packs the tensors into buckets (tensor fusion) so that a model with
+        many small weights costs a few large transfers.
+        """

@@ -1,0 +1,128 @@
+"""TFCollectiveBackend: TensorFlow's V2 collective ops among a strategy's devices.
+
+The devices may be virtual CPUs of one process, GPUs (NCCL), or the devices
+of every task of a single-controller cluster (the ops of each device run on
+its task; tasks exchange data over gRPC, ring-style).
+"""
+
+import itertools
+import threading
+from typing import Sequence, Tuple
+
+import tensorflow as tf
+
+from tfdist.comm import fusion
+from tfdist.comm.base import Group
+
+
+class TFCollectiveBackend:
+    """Issues TF collective ops among groups of one strategy's devices.
+
+    Each device has an ordering token (a resource variable) so that the
+    collectives of a device run in the order they were traced; without it,
+    collectives on virtual CPUs hang. Group keys are unique per backend and
+    device group; instance keys are unique per logical collective.
+
+    Args:
+        devices: device strings, index `i` being mesh device `i`.
+        timeout_seconds: a collective that waits longer than this fails
+            instead of hanging; 0 (the default) waits forever. TF implements
+            the timeout with one sleeping thread per collective *execution*
+            that lives for the whole timeout, so a long timeout on a busy
+            training loop piles up thousands of threads: use it to debug hangs.
+        bucket_bytes: the largest fused bucket of `batch_all_reduce`.
+
+    On GPUs the ops ask for NCCL (`communication_hint="nccl"`); elsewhere TF
+    picks its ring implementation.
+    """
+
+    _key_lock = threading.Lock()
+    _next_group_key = itertools.count(7001)
+    _next_instance_key = itertools.count(1 << 20)
+
+    def __init__(self, devices: Sequence[str], timeout_seconds: float = 0.0,
+                 bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES):
+        self.devices = tuple(devices)
+        self.timeout_seconds = float(timeout_seconds)
+        self.bucket_bytes = int(bucket_bytes)
+        gpus = all("GPU" in d.upper().rsplit("/", 1)[-1] for d in self.devices)
+        self.communication_hint = "nccl" if gpus else "auto"
+        with tf.init_scope():
+            self._tokens = []
+            for d in self.devices:
+                with tf.device(d):
+                    self._tokens.append(
+                        tf.Variable(0.0, trainable=False, name="tfdist_ordering_token")
+                    )
+        self._group_keys = {}
+        self._instance_keys = {}
+        self._sequence = {}
+
+    def _token(self, replica: int):
+        return self._tokens[replica].handle
+
+    def _keys(self, replica: int, group: Tuple[int, ...]) -> Tuple[int, int]:
+        if tf.executing_eagerly():
+            raise RuntimeError(
+                "tfdist collectives run inside tf.function only: MirroredStrategy-"
+                "style replicas run one after another in eager mode, so a "
+                "collective would wait forever. Compile the Keras model with "
+                "run_eagerly=False (the default) or wrap strategy.run in "
+                "tf.function."
+            )
+        with self._key_lock:
+            if group not in self._group_keys:
+                self._group_keys[group] = next(self._next_group_key)
+            group_key = self._group_keys[group]
+            seq = self._sequence.get((group, replica), 0)
+            self._sequence[(group, replica)] = seq + 1
+            if (group, seq) not in self._instance_keys:
+                self._instance_keys[(group, seq)] = next(self._next_instance_key)
+            return group_key, self._instance_keys[(group, seq)]
+
+    def _common(self, replica, group):
+        group_key, instance_key = self._keys(replica, group)
+        return dict(
+            group_size=len(group),
+            group_key=group_key,
+            instance_key=instance_key,
+            ordering_token=[self._token(replica)],
+            communication_hint=self.communication_hint,
+            timeout_seconds=self.timeout_seconds,
+        )
+
+    def all_reduce(self, x, replica: int, group: Group, merge_op: str = "Add"):
+        """`merge_op` ("Add", "Max", "Min", "Mul") of `x` over the devices of `group`."""
+        with tf.device(self.devices[replica]):  # also the identity: no copy to device 0
+            if len(group) == 1:
+                return tf.identity(x)
+            return tf.raw_ops.CollectiveReduceV2(
+                input=x,
+                merge_op=merge_op,
+                final_op="Id",
+                **self._common(replica, group),
+            )
+
+    def all_gather(self, x, replica: int, group: Group):
+        """Concatenation along dimension 0 of `x` from each device of `group`."""
+        with tf.device(self.devices[replica]):
+            if len(group) == 1:
+                return tf.identity(x)
+            return tf.raw_ops.CollectiveGatherV2(input=x, **self._common(replica, group))
+
+    def all_to_all(self, x, replica: int, group: Group):
+        """Splits dimension 0 into `len(group)` parts, part j to device j."""
+        with tf.device(self.devices[replica]):
+            if len(group) == 1:
+                return tf.identity(x)
+            return tf.raw_ops.CollectiveAllToAllV2(
+                input=x, **self._common(replica, group)
+            )
+
+    def batch_all_reduce(self, tensors, replica: int, group: Group):
+        """Sums over `group`, one collective per fused bucket (see `tfdist.comm.fusion`)."""
+        with tf.device(self.devices[replica]):
+            if len(group) == 1:
+                return [tf.identity(t) for t in tensors]
+            return fusion.fused(lambda flat: self.all_reduce(flat, replica, group),
+                                tensors, self.bucket_bytes)

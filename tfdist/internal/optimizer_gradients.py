@@ -1,0 +1,53 @@
+"""The optimizer hook where tfdist routes gradients by variable.
+
+Private Keras API used here (and only here):
+`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`.
+
+Keras 3's TF optimizer pairs each gradient with its variable only inside the
+optimizer: `BaseOptimizer.apply` unscales (loss scaling), then
+`_backend_apply_gradients` clips and applies weight decay, then
+`TFOptimizer._backend_update_step` calls
+`_all_reduce_sum_gradients(grads_and_vars)`, which hands the *values* alone
+to `replica_context.all_reduce(SUM, grads)`, and finally applies the reduced
+gradients with `strategy.extended.update(var, ...)`. A strategy sees the
+variables first in that update, after the reduction, too late to reduce a
+sharded weight's gradient over only the replicas holding its shard.
+
+`install()` replaces `_all_reduce_sum_gradients` on the class: under a
+strategy that is a `tfdist.runtime.MeshRuntime`, the `(gradient, variable)`
+pairs go in one merge call to `strategy.extended.reduce_gradients`, which
+routes each gradient by its variable (`tfdist.internal.mesh_extended`);
+under every other strategy Keras's own method runs unchanged. The user's
+model, optimizer and `fit` are untouched.
+"""
+
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+from tfdist import runtime
+
+_KERAS_ALL_REDUCE = tf_optimizer.TFOptimizer._all_reduce_sum_gradients
+
+
+def _all_reduce_sum_gradients(self, grads_and_vars):
+    import tensorflow as tf
+
+    strategy = self._distribution_strategy
+    replica_context = tf.distribute.get_replica_context()
+    if runtime.current_runtime(strategy) is None or replica_context is None:
+        return _KERAS_ALL_REDUCE(self, grads_and_vars)
+    grads_and_vars = list(grads_and_vars)
+    present = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not present:
+        return grads_and_vars
+    reduced = iter(replica_context.merge_call(
+        lambda s, pairs: s.extended.reduce_gradients(pairs), args=(present,)))
+    return [(g if g is None else next(reduced), v) for g, v in grads_and_vars]
+
+
+def install() -> None:
+    """Routes Keras TF optimizers' gradients through tfdist strategies (idempotent)."""
+    tf_optimizer.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
+
+def installed() -> bool:
+    return tf_optimizer.TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients

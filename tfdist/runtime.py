@@ -1,0 +1,67 @@
+"""The ambient mesh: what a tfdist strategy tells the layers and collectives.
+
+Keras keeps one ambient distribution (`keras.distribution.distribution()`, set
+by its scope); tfdist keeps one too. Every tfdist strategy that runs a mesh
+(`MeshStrategy`, `HorovodStrategy`) is a `MeshRuntime`, and everything that
+needs the mesh reads it through one function:
+
+    runtime = current_runtime()      # the MeshRuntime in scope, or None
+    mesh = current_mesh()            # its Mesh, or the one-device mesh
+
+Outside such a strategy (no strategy, `MirroredStrategy`, ...) there is no
+runtime: tfdist layers see a one-device mesh and every named-axis collective
+is the identity.
+"""
+
+import abc
+from typing import Optional
+
+from tfdist.mesh import Mesh
+
+
+class MeshRuntime(abc.ABC):
+    """What every tfdist mesh strategy provides.
+
+    Attributes:
+        mesh: the `tfdist.mesh.Mesh` (shape and layout rules).
+        backend: the `tfdist.comm.Backend` its collectives run on.
+    """
+
+    mesh: Mesh
+
+    @property
+    @abc.abstractmethod
+    def backend(self):
+        """The `tfdist.comm.Backend` of this mesh."""
+
+    def mesh_device_index(self, local_replica: int) -> int:
+        """The mesh device index of this process's replica `local_replica`."""
+        return self.extended.mesh_device_index(local_replica)
+
+    @property
+    @abc.abstractmethod
+    def is_chief(self) -> bool:
+        """Whether this process writes checkpoints and logs."""
+
+    @property
+    def collective_weight_reads(self) -> bool:
+        """Whether reading a sharded weight globally is a collective of all processes.
+
+        False where one process holds every shard (a single controller).
+        """
+        return False
+
+
+def current_runtime(strategy=None) -> Optional[MeshRuntime]:
+    """The `MeshRuntime` of `strategy` (default: the strategy in scope), or None."""
+    if strategy is None:
+        import tensorflow as tf
+
+        strategy = tf.distribute.get_strategy()
+    return strategy if isinstance(strategy, MeshRuntime) else None
+
+
+def current_mesh() -> Mesh:
+    """The mesh of the strategy in scope, or a one-device mesh."""
+    runtime = current_runtime()
+    return runtime.mesh if runtime is not None else Mesh.single_device()
