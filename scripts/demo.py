@@ -66,7 +66,7 @@ def main(argv):
 
     from tfdist import checkpoint
     from tfdist.models import build_token_mlp, make_copy_task
-    from tfdist.strategies import MeshStrategy
+    from tfdist.strategies import get_strategy
     from tfdist.testing.equivalence import max_rel_diff
     from tfdist.testing.reference import reference_model
 
@@ -79,7 +79,7 @@ def main(argv):
 
     keras.utils.set_random_seed(config.seed)
     reference = reference_model(build())
-    strategy = MeshStrategy(mesh)
+    strategy = get_strategy("mesh", mesh_shape=mesh)
     with strategy.scope():
         model = build()
         model.compile(keras.optimizers.Adam(config.learning_rate), loss, metrics=["accuracy"])

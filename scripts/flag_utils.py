@@ -51,17 +51,21 @@ def cluster_from_flags():
 def strategy_from_flags(mesh):
     """The strategy the cluster flags ask for, over `mesh` (a `tfdist.mesh.Mesh`).
 
-    On a task that only serves a mesh over workers this does not return.
+    Built by `tfdist.strategies.get_strategy`: `horovod`, `multi_worker`, or
+    for `--strategy=mesh` a `mesh` over this machine's (virtual CPU) devices,
+    or a `mesh_cluster` when TF_CONFIG / --worker_hosts name a cluster. On a
+    task that only serves a mesh over workers this does not return.
 
     Raises:
         ValueError: a broken TF_CONFIG / --worker_hosts, or a mesh that does
             not match the cluster's devices.
+        ImportError: `--strategy=horovod` without a Horovod build.
     """
+    from tfdist.strategies import get_strategy
+
     FLAGS = flags.FLAGS
     if FLAGS.strategy == "horovod":
-        from tfdist.strategies.horovod import HorovodStrategy
-
-        return HorovodStrategy(mesh_shape=mesh.shape, layout=mesh.rules)
+        return get_strategy("horovod", mesh_shape=mesh)
     cluster = cluster_from_flags()
     if FLAGS.strategy == "multi_worker":
         if cluster is None:
@@ -70,14 +74,11 @@ def strategy_from_flags(mesh):
             import os
 
             os.environ["TF_CONFIG"] = cluster.to_tf_config()
-        from tfdist.strategies import MultiWorkerStrategy
-
-        return MultiWorkerStrategy(communication=FLAGS.communication)
-    from tfdist.strategies import MeshStrategy
-
+        return get_strategy("multi_worker", communication=FLAGS.communication)
     if cluster is None:
         from tfdist.testing.devices import split_cpu
 
         split_cpu(mesh.size)
-        return MeshStrategy(mesh)
-    return MeshStrategy(mesh, devices=cluster.mesh_devices(mesh.size, FLAGS.devices_per_worker))
+        return get_strategy("mesh", mesh_shape=mesh)
+    return get_strategy("mesh_cluster", mesh_shape=mesh, cluster=cluster,
+                        devices_per_worker=FLAGS.devices_per_worker)

@@ -81,20 +81,18 @@ def main(argv):
     from tfdist.data.nmt import load_tokenizer
     from tfdist.models import Transformer, TransformerConfig
     from tfdist.models.nmt_eval import translate_texts
-    from tfdist.strategies import MeshStrategy
+    from tfdist.strategies import get_strategy
     from tfdist.testing.devices import split_cpu
 
     tokenizer = load_tokenizer(os.path.join(FLAGS.model_dir, "spm.model"))
-    strategy = None
     if mesh.size > 1:
         split_cpu(mesh.size)
-        strategy = MeshStrategy(mesh)
-    config = TransformerConfig(**saved["model"])
-    if strategy is None:
-        model = Transformer(config, name="transformer")
+        strategy = get_strategy("mesh", mesh_shape=mesh)
     else:
-        with strategy.scope():
-            model = Transformer(config, name="transformer")
+        strategy = get_strategy("default")
+    config = TransformerConfig(**saved["model"])
+    with strategy.scope():
+        model = Transformer(config, name="transformer")
     checkpoint.load_global(model, path, with_optimizer=False)
     lines = open(FLAGS.input).read().splitlines() if FLAGS.input else sys.stdin.read().splitlines()
     out = translate_texts(model, tokenizer, lines, FLAGS.batch_size, FLAGS.beam_size, FLAGS.alpha)

@@ -23,24 +23,41 @@ def _mirrored(devices=None, **options):
     return tf.distribute.MirroredStrategy(devices)
 
 
+def _mesh_of(name, mesh_shape, layout) -> Mesh:
+    """`mesh_shape` as a `Mesh`: a `Mesh` as is, else parsed with `layout`."""
+    if isinstance(mesh_shape, Mesh):
+        if layout is not None:
+            raise ValueError(
+                f"Strategy {name!r} takes a Mesh (which has its layout) or a mesh shape and a "
+                f"layout, not both; received mesh_shape={mesh_shape} and layout={layout!r}.")
+        return mesh_shape
+    return Mesh.parse(mesh_shape, layout)
+
+
 def _mesh(mesh_shape="data:1", layout=None, devices=None, **options):
-    return MeshStrategy(mesh_shape, layout, devices=devices, **options)
+    """A mesh over this process's devices (`devices`, or all of one kind)."""
+    return MeshStrategy(_mesh_of("mesh", mesh_shape, layout), devices=devices, **options)
 
 
-def _mesh_cluster(mesh_shape="data:1", layout=None, devices_per_worker=None, **options):
-    """A mesh over the tasks of TF_CONFIG (single controller; serves and exits elsewhere)."""
-    from tfdist.cluster import ClusterConfig
-
-    cluster = ClusterConfig.from_env()
+def _mesh_cluster(mesh_shape="data:1", layout=None, devices_per_worker=None, cluster=None,
+                  **options):
+    """A mesh over the tasks of `cluster` or TF_CONFIG (single controller; serves and exits
+    elsewhere)."""
     if cluster is None:
-        raise ValueError("Strategy 'mesh_cluster' needs TF_CONFIG (python -m tfdist.launch sets it).")
-    mesh = Mesh.parse(mesh_shape, layout)
+        from tfdist.cluster import ClusterConfig
+
+        cluster = ClusterConfig.from_env()
+    if cluster is None:
+        raise ValueError("Strategy 'mesh_cluster' needs TF_CONFIG (python -m tfdist.launch sets "
+                         "it) or cluster=ClusterConfig.from_hosts([...], task_index).")
+    mesh = _mesh_of("mesh_cluster", mesh_shape, layout)
     return MeshStrategy(mesh, devices=cluster.mesh_devices(mesh.size, devices_per_worker),
                         **options)
 
 
-def _multi_worker(**options):
-    return MultiWorkerStrategy(**options)
+def _multi_worker(communication="ring", **options):
+    """Data parallelism between the tasks of TF_CONFIG."""
+    return MultiWorkerStrategy(communication=communication, **options)
 
 
 def horovod_strategy_class():
@@ -65,14 +82,21 @@ def horovod_strategy_class():
     return HorovodStrategy
 
 
-def _horovod(**options):
-    return horovod_strategy_class()(**options)
+def _horovod(mesh_shape=None, layout=None, **options):
+    """Horovod ranks; with `mesh_shape`, rank r is device r of that mesh."""
+    if isinstance(mesh_shape, Mesh):
+        mesh = _mesh_of("horovod", mesh_shape, layout)
+        mesh_shape, layout = mesh.shape, mesh.rules
+    return horovod_strategy_class()(mesh_shape=mesh_shape, layout=layout, **options)
 
 
-def _tpu(**options):
+def _tpu(mesh_shape="data:1", **options):
+    """A TPUStrategy over the cores of a TPU (pure data parallelism)."""
     from tfdist.launch.tpu import tpu_strategy
 
-    return tpu_strategy(**options)
+    if isinstance(mesh_shape, Mesh):
+        mesh_shape = mesh_shape.shape
+    return tpu_strategy(mesh_shape=mesh_shape, **options)
 
 
 def _averaging(**options):
@@ -105,11 +129,46 @@ def get_strategy(name: str, **options):
     Args:
         name: one of `STRATEGY_NAMES` (`default`, `one_device`, `mirrored`,
             `mesh`, `mesh_cluster`, `multi_worker`, `averaging`, `horovod`, `tpu`).
-        **options: keyword arguments of that strategy, e.g.
-            `mesh_shape="data:2;model:2", layout="d_ff:model"` for `mesh`.
+        **options: keyword arguments of that strategy. Wherever a mesh is
+            taken, `mesh_shape` is a Mesh-TF shape string (with `layout`, the
+            layout rules) or a `tfdist.mesh.Mesh`:
+
+            - `one_device`: `device` (default `"/cpu:0"`).
+            - `mirrored`: `devices`.
+            - `mesh`: `mesh_shape`, `layout`, `devices` (default: all GPUs,
+              else all CPUs), `collective_timeout`, and the rest of
+              `MeshStrategy`'s arguments.
+            - `mesh_cluster`: `mesh_shape`, `layout`, `devices_per_worker`
+              (default: `TFDIST_DEVICES_PER_WORKER`, else 1), `cluster` (a
+              `tfdist.cluster.ClusterConfig`; default: TF_CONFIG), and
+              `MeshStrategy`'s arguments but `devices`. Off the controller the
+              process serves the mesh and exits instead of returning.
+            - `multi_worker`: `communication` (`"ring"`, `"nccl"` or
+              `"auto"`), `timeout_seconds`, `cluster_resolver`.
+            - `averaging`: `ModelAveragingStrategy`'s arguments.
+            - `horovod`: `mesh_shape`, `layout`, `compression`, `reduction`,
+              `device`.
+            - `tpu`: `tpu`, `zone`, `project`, `mesh_shape` (`"data:N"`, one
+              replica per core).
+
+    Returns:
+        A `tf.distribute.Strategy`.
 
     Raises:
-        ValueError: for an unknown name, listing the valid ones.
+        ValueError: an unknown name (listing the valid ones), or an option the
+            strategy rejects (a malformed mesh, a mesh that does not fit the
+            devices, a missing TF_CONFIG, ...).
+        ImportError: `horovod` without a Horovod build (says to run
+            `make horovod`).
+
+    Example:
+
+    ```python
+    strategy = get_strategy("mesh", mesh_shape="data:2;model:2",
+                            layout="batch:data;d_ff:model")
+    strategy = get_strategy("mesh_cluster", mesh_shape=Mesh.parse("data:2;model:2"),
+                            devices_per_worker=2)  # under python -m tfdist.launch
+    ```
     """
     if name not in _FACTORIES:
         raise ValueError(
