@@ -2,14 +2,15 @@
 
     python -m tfdist.launch --num_workers 2 [--devices_per_worker 2] -- scripts/train_xc.py ...
     python -m tfdist.launch --hosts host1,host2 --print -- scripts/train_xc.py ...
-    python -m tfdist.launch --tpu NAME [--tpu_zone Z --gcp_project P] -- scripts/train_xc.py ...
+    python -m tfdist.launch --tpu NAME [--tpu_zone Z --gcp_project P] -- my_tpu_program.py ...
 
 Local: N processes on loopback, free ports, a TF_CONFIG each, output
 prefixed `[worker i]`, exit status of the first task that fails (the others
 are ended). `--print`: the exact commands to start the same job on real hosts
 (TF_CONFIG per host, and the equivalent `horovodrun` line). `--tpu`: the
 program once, as the single controller of the TPU, with `TFDIST_TPU*` set
-for `get_strategy("tpu")`.
+for `get_strategy("tpu", mesh_shape="data:N")` (pure data parallelism, one
+replica per core; the scripts in scripts/ have no TPU strategy).
 """
 
 import argparse
