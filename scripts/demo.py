@@ -107,7 +107,7 @@ def main(argv):
         os.makedirs(FLAGS.model_dir, exist_ok=True)
         with open(os.path.join(FLAGS.model_dir, "config.json"), "w") as f:
             json.dump(_as_dict(config), f, indent=2)
-        checkpoint.save_global(model, os.path.join(FLAGS.model_dir, "model.npz"))
+        checkpoint.save(model, checkpoint.final_path(FLAGS.model_dir))
         print(f"config and global checkpoint written to {FLAGS.model_dir}")
     if diff > 1e-4:
         print("FAILED: the mesh run drifted from the single-device run", file=sys.stderr)

@@ -190,7 +190,7 @@ def main(argv):
           f"{device_bytes(model):,} bytes on device 0 of {4 * model.count_params():,} "
           f"(Adam's two slots follow the same layout)", flush=True)
 
-    backup = BackupAndRestore(os.path.join(model_dir, "backup"))
+    backup = BackupAndRestore(os.path.join(model_dir, checkpoint.BACKUP_DIR))
     done = backup.latest_epoch() + 1  # resumed: continue the data where it stopped
     tokenize = "char" if config.corpus == "numbers-de" and not (config.train_src or
                                                                config.train_tsv) else "13a"
@@ -204,9 +204,8 @@ def main(argv):
               steps_per_epoch=config.eval_every, verbose=2 if not sys.stdout.isatty() else 1,
               callbacks=callbacks)
     bleu, _ = evaluation.evaluate() if not evaluation.history else (evaluation.history[-1], None)
-    arrays = checkpoint.global_arrays(model, with_optimizer=False)  # every process
+    checkpoint.save(model, checkpoint.final_path(model_dir), with_optimizer=False)
     if chief:
-        checkpoint.write_arrays(arrays, os.path.join(model_dir, "model.npz"))
         print(f"final held-out BLEU {bleu:.1f} ({tokenize}; {len(evaluation.pairs)} sentences, beam "
               f"{config.beam_size}); config, tokenizer, checkpoint in {model_dir}; TensorBoard: "
               f"tensorboard --logdir {os.path.join(model_dir, 'logs')}", flush=True)

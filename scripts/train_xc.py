@@ -129,9 +129,9 @@ def main(argv):
     result = model.evaluate(x_test, y_test, batch_size=config.batch_size, verbose=0, return_dict=True)
     print(f"held-out top-1 {result['top1_accuracy']:.3f}, top-5 {result['top5_accuracy']:.3f} "
           f"(loss {result['loss']:.3f}, {eval_n} examples)")
-    arrays = checkpoint.global_arrays(model) if FLAGS.model_dir else None  # every process
+    if FLAGS.model_dir:
+        checkpoint.save(model, checkpoint.final_path(FLAGS.model_dir))  # chief writes
     if FLAGS.model_dir and chief:
-        checkpoint.write_arrays(arrays, os.path.join(FLAGS.model_dir, "model.npz"))
         print(f"config, checkpoint and TensorBoard logs in {FLAGS.model_dir}")
     return 0
 

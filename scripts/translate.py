@@ -40,21 +40,20 @@ def define_flags():
 
 
 def checkpoint_path(model_dir: str, explicit: str = "") -> str:
-    """`explicit`, else model_dir/model.npz, else the newest backup; raises if none."""
+    """`explicit`, else the run's final checkpoint, else its newest backup; raises if none."""
+    from tfdist import checkpoint
+
     if explicit:
         if not os.path.exists(explicit):
             raise FileNotFoundError(f"--checkpoint={explicit!r} does not exist.")
         return explicit
-    final = os.path.join(model_dir, "model.npz")
-    if os.path.exists(final):
-        return final
-    backup = os.path.join(model_dir, "backup")
-    epochs = sorted(int(n[6:-4]) for n in os.listdir(backup) if n.startswith("epoch-")) \
-        if os.path.isdir(backup) else []
-    if not epochs:
-        raise FileNotFoundError(f"No checkpoint in {model_dir!r}: neither model.npz nor "
-                                f"backup/epoch-N.npz (did train_nmt.py run with this --model_dir?).")
-    return os.path.join(backup, f"epoch-{epochs[-1]}.npz")
+    found = checkpoint.latest(model_dir)
+    if found is None:
+        raise FileNotFoundError(
+            f"No checkpoint in {model_dir!r}: neither {checkpoint.FINAL}.npz nor "
+            f"{checkpoint.BACKUP_DIR}/{checkpoint.BACKUP_PREFIX}N.npz (did train_nmt.py run "
+            f"with this --model_dir?).")
+    return found
 
 
 def main(argv):
@@ -93,7 +92,7 @@ def main(argv):
     config = TransformerConfig(**saved["model"])
     with strategy.scope():
         model = Transformer(config, name="transformer")
-    checkpoint.load_global(model, path, with_optimizer=False)
+    checkpoint.load(model, path, with_optimizer=False)
     lines = open(FLAGS.input).read().splitlines() if FLAGS.input else sys.stdin.read().splitlines()
     out = translate_texts(model, tokenizer, lines, FLAGS.batch_size, FLAGS.beam_size, FLAGS.alpha)
     text = "\n".join(out) + ("\n" if out else "")

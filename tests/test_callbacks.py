@@ -69,7 +69,7 @@ model.compile("adam", "mse"); model.optimizer.build(model.trainable_variables)
 for value in range(1, 1000):
     for w in model.weights:
         w.assign(np.full(w.shape, value, "float32"))
-    checkpoint.save_global(model, sys.argv[1])
+    checkpoint.save(model, sys.argv[1])
     print(value, flush=True)
 """
 
@@ -92,6 +92,6 @@ def test_a_checkpoint_killed_while_being_written_leaves_the_previous_one(tmp_pat
     model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096, name="d")], name="m")
     model.compile("adam", "mse")
     model.optimizer.build(model.trainable_variables)
-    checkpoint.load_global(model, str(path))  # complete, not truncated
+    checkpoint.load(model, str(path))  # complete, not truncated
     value = model.weights[0].numpy().flat[0]
     assert value >= 1 and all((w.numpy() == value).all() for w in model.weights)

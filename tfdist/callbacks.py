@@ -1,36 +1,12 @@
 """Keras callbacks for runs that must survive faults: chief-only, atomic, global."""
 
-import os
-
 import keras
 
-from tfdist import checkpoint
+from tfdist import checkpoint, runtime
 from tfdist.internal.keras_fit import set_initial_epoch
+from tfdist.runtime import is_chief
 
-_PREFIX = "epoch-"
-
-
-def is_chief(strategy=None) -> bool:
-    """Whether this process writes checkpoints and logs.
-
-    True for a single process and for the controller of a tfdist mesh over
-    workers; under `HorovodStrategy` for rank 0; under
-    `MultiWorkerMirroredStrategy` only for the `chief` task,
-    or `worker` 0 when the cluster has no chief.
-    """
-    import tensorflow as tf
-
-    strategy = strategy or tf.distribute.get_strategy()
-    if hasattr(strategy, "rank"):  # HorovodStrategy
-        return strategy.rank == 0
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.cluster_spec().as_dict():
-        return True
-    task_type, task_id = resolver.task_type, resolver.task_id
-    jobs = resolver.cluster_spec().as_dict()
-    if "chief" in jobs:
-        return task_type == "chief"
-    return task_type == "worker" and task_id == 0
+__all__ = ["BackupAndRestore", "is_chief", "on_chief"]
 
 
 def on_chief(*callbacks, strategy=None):
@@ -43,7 +19,8 @@ def on_chief(*callbacks, strategy=None):
     import tensorflow as tf
 
     strategy = strategy or tf.distribute.get_strategy()
-    if getattr(strategy, "collective_weight_reads", False):
+    mesh_runtime = runtime.current_runtime(strategy)
+    if mesh_runtime is not None and mesh_runtime.collective_weight_reads:
         savers = [c for c in callbacks
                   if isinstance(c, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))]
         if savers:
@@ -51,7 +28,7 @@ def on_chief(*callbacks, strategy=None):
                 f"{type(savers[0]).__name__} on the chief alone would hang under {strategy!r}: "
                 f"reading sharded weights globally gathers them from every rank. Use "
                 f"tfdist.callbacks.BackupAndRestore(dir) on every rank (all gather, rank 0 "
-                f"writes) or call tfdist.checkpoint.global_arrays on every rank.")
+                f"writes) or call tfdist.checkpoint.save on every rank.")
     return list(callbacks) if is_chief(strategy) else []
 
 
@@ -59,7 +36,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Resumes an interrupted `fit` where its last completed epoch left it.
 
     At the end of every epoch the chief writes the global weights and the
-    optimizer state to `backup_dir/epoch-<n>.npz` (`tfdist.checkpoint.save_global`:
+    optimizer state to `backup_dir/epoch-<n>.npz` (`tfdist.checkpoint.Backups`:
     written under a temporary name, then renamed, so a file is complete or
     absent) and then removes the older ones. At the start of `fit`, every
     process loads the newest backup and `fit` continues from the next epoch,
@@ -78,19 +55,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, backup_dir: str, delete_on_end: bool = False):
         super().__init__()
         self.backup_dir = backup_dir
+        self.backups = checkpoint.Backups(backup_dir)
         self.delete_on_end = delete_on_end
         self.restored_epoch = None
-
-    def _backups(self):
-        """`{epoch: path}` of the complete backups."""
-        if not os.path.isdir(self.backup_dir):
-            return {}
-        found = {}
-        for name in os.listdir(self.backup_dir):
-            stem = name[len(_PREFIX):-len(".npz")]
-            if name.startswith(_PREFIX) and name.endswith(".npz") and stem.isdigit():
-                found[int(stem)] = os.path.join(self.backup_dir, name)
-        return found
 
     def latest_epoch(self) -> int:
         """The epoch (0-based) of the newest complete backup, or -1 if there is none.
@@ -98,32 +65,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         `fit` resumes at `latest_epoch() + 1`; a repeated dataset can skip the
         batches of the epochs already done so the run continues where it stopped.
         """
-        return max(self._backups(), default=-1)
+        return self.backups.latest_epoch()
 
     def on_train_begin(self, logs=None):
-        backups = self._backups()
-        if not backups:
+        epoch = self.backups.latest_epoch()
+        if epoch < 0:
             return
-        epoch = max(backups)
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        checkpoint.load_global(self.model, backups[epoch])
+        path = self.backups.path(epoch)
+        checkpoint.load(self.model, path)
         set_initial_epoch(self.model, epoch + 1)
         self.restored_epoch = epoch
-        print(f"tfdist: resumed from {backups[epoch]} (after epoch {epoch + 1})", flush=True)
+        print(f"tfdist: resumed from {path} (after epoch {epoch + 1})", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
-        arrays = checkpoint.global_arrays(self.model)  # every process: may be a collective
-        if not is_chief(self.model.distribute_strategy):
-            return
-        checkpoint.write_arrays(arrays, os.path.join(self.backup_dir, f"{_PREFIX}{epoch}.npz"))
-        for old, path in self._backups().items():
-            if old < epoch:
-                os.unlink(path)
+        self.backups.save(self.model, epoch)  # every process gathers, the chief writes
 
     def on_train_end(self, logs=None):
-        if self.delete_on_end and is_chief(self.model.distribute_strategy):
-            for path in self._backups().values():
-                os.unlink(path)
+        if self.delete_on_end:
+            self.backups.delete_all(self.model.distribute_strategy)

@@ -144,10 +144,35 @@ class ClusterConfig:
 
         return tf.train.ClusterSpec({job: list(a) for job, a in self.jobs})
 
-    def task_devices(self, devices_per_worker: int) -> List[str]:
+    def task_devices(self, devices_per_worker: int, kind: str = "CPU") -> List[str]:
         """The mesh's device names, task-major (controller's first)."""
-        return [f"/job:{job}/replica:0/task:{i}/device:CPU:{d}"
+        return [f"/job:{job}/replica:0/task:{i}/device:{kind}:{d}"
                 for job, i, _ in self.tasks for d in range(devices_per_worker)]
+
+    def choose_devices(self, devices_per_worker: int, found_gpus: Sequence[str],
+                       found_cpus: Sequence[str]) -> List[str]:
+        """Each task's first `devices_per_worker` GPUs when the tasks have GPUs, else CPUs.
+
+        Raises:
+            ValueError: some task has GPUs but fewer than `devices_per_worker`
+                (never a silent fall-back to CPUs), or a task lacks the CPUs.
+        """
+        gpus = self.task_devices(devices_per_worker, "GPU")
+        if found_gpus:
+            missing = [d for d in gpus if d not in set(found_gpus)]
+            if missing:
+                raise ValueError(
+                    f"The cluster has GPUs but lacks {missing[:3]}: each task needs "
+                    f"{devices_per_worker} GPUs (devices_per_worker={devices_per_worker}); "
+                    f"found {sorted(found_gpus)[:8]}.")
+            return gpus
+        devices = self.task_devices(devices_per_worker)
+        missing = [d for d in devices if d not in set(found_cpus)]
+        if missing:
+            raise ValueError(
+                f"The cluster lacks devices {missing[:3]}: every task must run with "
+                f"devices_per_worker={devices_per_worker}.")
+        return devices
 
     # -- TensorFlow side -----------------------------------------------------
 
@@ -171,6 +196,9 @@ class ClusterConfig:
     def start(self, devices_per_worker: Optional[int] = None, threads: int = 0,
               grace_s: float = 10.0):
         """Joins the cluster. Returns the mesh devices on the controller.
+
+        The devices are each task's GPUs when the tasks have GPUs (NCCL
+        collectives between them), else its (virtual) CPUs.
 
         Elsewhere serves the controller and exits the process (status 0) once
         the controller has been unreachable for `grace_s` seconds.
@@ -207,13 +235,10 @@ class ClusterConfig:
             os._exit(0)  # the TF server has no clean shutdown
         _wait_for(self.tasks[1:], timeout_s=120)
         tf.config.experimental_connect_to_cluster(self.cluster_spec())
-        devices = self.task_devices(devices_per_worker)
-        found = {d.name for d in tf.config.list_logical_devices("CPU")}
-        missing = [d for d in devices if d not in found]
-        if missing:
-            raise ValueError(
-                f"The cluster lacks devices {missing[:3]}: every task must run with "
-                f"devices_per_worker={devices_per_worker}.")
+        gpus = [d.name for d in tf.config.list_logical_devices("GPU")
+                if not d.name.startswith("/job:localhost")]
+        devices = self.choose_devices(devices_per_worker, gpus,
+                                      [d.name for d in tf.config.list_logical_devices("CPU")])
         watch(self, interval_s=2.0)
         return devices
 

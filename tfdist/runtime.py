@@ -65,3 +65,27 @@ def current_mesh() -> Mesh:
     """The mesh of the strategy in scope, or a one-device mesh."""
     runtime = current_runtime()
     return runtime.mesh if runtime is not None else Mesh.single_device()
+
+
+def is_chief(strategy=None) -> bool:
+    """Whether this process writes checkpoints and logs.
+
+    A tfdist mesh strategy answers for itself (`MeshRuntime.is_chief`: the
+    single controller, or Horovod rank 0). Under another strategy with a
+    cluster (`MultiWorkerMirroredStrategy`) only the `chief` task, or worker 0
+    when the cluster has no chief; a single process always.
+    """
+    if strategy is None:
+        import tensorflow as tf
+
+        strategy = tf.distribute.get_strategy()
+    mesh_runtime = current_runtime(strategy)
+    if mesh_runtime is not None:
+        return mesh_runtime.is_chief
+    resolver = getattr(strategy, "cluster_resolver", None)  # tf.distribute's public attribute
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    jobs = resolver.cluster_spec().as_dict()
+    if "chief" in jobs:
+        return resolver.task_type == "chief"
+    return resolver.task_type == "worker" and resolver.task_id == 0

@@ -75,7 +75,7 @@ kernel = model.get_layer("ffn1_in").kernel
 local_shape = tuple(kernel.value.values[0].shape)
 if rank == 0:
     plain = build_token_mlp()  # outside the strategy: a plain Keras model
-    checkpoint.load_global(plain, os.path.join(backup, "epoch-1.npz"), with_optimizer=False)
+    checkpoint.load(plain, os.path.join(backup, "epoch-1.npz"), with_optimizer=False)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(plain.get_weights(), weights))
     print(f"rank 0 checkpoint {mesh}: files {sorted(os.listdir(backup))} diff {diff:.1e}",
           flush=True)

@@ -76,3 +76,16 @@ def test_launcher_argument_errors(argv, fragment, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert fragment in capsys.readouterr().err
+
+
+def test_the_mesh_over_workers_uses_each_workers_gpus_or_refuses_too_few():
+    cluster = ClusterConfig.from_hosts(["localhost:1111", "localhost:2222"], 0)
+    cpus = cluster.task_devices(2)
+    gpus = cluster.task_devices(2, "GPU")
+    assert cluster.choose_devices(2, [], cpus) == cpus
+    assert cluster.choose_devices(2, gpus, cpus) == gpus
+    assert gpus[3] == "/job:worker/replica:0/task:1/device:GPU:1"
+    with pytest.raises(ValueError, match=r"has GPUs but lacks .*task:1/device:GPU:1.*needs 2 GPUs"):
+        cluster.choose_devices(2, gpus[:3], cpus)
+    with pytest.raises(ValueError, match="every task must run with devices_per_worker=2"):
+        cluster.choose_devices(2, [], cpus[:3])

@@ -6,9 +6,10 @@ import keras
 import pytest
 
 from tfdist.callbacks import on_chief
-from tfdist.mesh import Mesh
 from tfdist.comm import horovod as horovod_backend
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets, mesh_groups
+from tfdist.mesh import Mesh
+from tfdist.runtime import MeshRuntime
 
 
 def test_groups_are_every_axis_subset_except_single_devices_and_the_whole_mesh():
@@ -79,7 +80,12 @@ def test_engine_picks_the_process_set_of_the_group():
 
 
 def test_on_chief_refuses_a_chief_only_checkpoint_when_reads_are_collective():
-    strategy = types.SimpleNamespace(collective_weight_reads=True, rank=0)
+    class Rank0WithCollectiveReads(MeshRuntime):  # what HorovodStrategy with a mesh is
+        backend = None
+        is_chief = True
+        collective_weight_reads = True
+
+    strategy = Rank0WithCollectiveReads()
     with pytest.raises(ValueError, match="ModelCheckpoint on the chief alone would hang"):
         on_chief(keras.callbacks.ModelCheckpoint("/tmp/x.weights.h5"), strategy=strategy)
     board = keras.callbacks.TensorBoard("/tmp/logs")

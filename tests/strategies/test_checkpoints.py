@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.checkpoint import load_global, save_global
+from tfdist import checkpoint
 from tfdist.models import build_token_mlp, make_copy_task
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import max_rel_diff
@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
     path = str(directory / "model.weights.h5")
     model.save_weights(path)
     portable = str(directory / "model.npz")
-    save_global(model, portable)
+    checkpoint.save(model, portable)
     return dict(x=x, y=y, model=model, path=path, portable=portable, reference=reference,
                 tmp=tmp_path_factory.mktemp("keras"))
 
@@ -64,7 +64,7 @@ def test_resume_on_another_mesh_continues_identically(trained, mesh, fmt):
     if fmt == "keras":
         model.load_weights(trained["path"])
     else:
-        load_global(model, trained["portable"])
+        checkpoint.load(model, trained["portable"])
     for a, b in zip(model.get_weights(), trained["model"].get_weights()):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(model.optimizer.variables, trained["model"].optimizer.variables):
@@ -106,14 +106,14 @@ def test_tf_train_checkpoint_saves_global_tensors(trained, tmp_path):
 def test_portable_checkpoint_errors_name_the_problem(trained, tmp_path):
     model = reference_model(build_token_mlp(d_ff=16))
     with pytest.raises(ValueError, match=r"ffn1_in/kernel: model \(8, 16\) vs checkpoint \(8, 32\)"):
-        load_global(model, trained["portable"], with_optimizer=False)
+        checkpoint.load(model, trained["portable"], with_optimizer=False)
     with pytest.raises(FileNotFoundError, match="No checkpoint at"):
-        load_global(model, str(tmp_path / "missing.npz"))
+        checkpoint.load(model, str(tmp_path / "missing.npz"))
 
 
 def test_interrupted_portable_write_keeps_the_previous_checkpoint(trained, tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.npz")
-    save_global(trained["model"], path)
+    checkpoint.save(trained["model"], path)
     before = open(path, "rb").read()
 
     def crash(*args, **kwargs):
@@ -121,6 +121,6 @@ def test_interrupted_portable_write_keeps_the_previous_checkpoint(trained, tmp_p
 
     monkeypatch.setattr(np, "savez", crash)
     with pytest.raises(KeyboardInterrupt):
-        save_global(trained["model"], path)
+        checkpoint.save(trained["model"], path)
     assert open(path, "rb").read() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.npz"]

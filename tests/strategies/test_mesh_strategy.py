@@ -177,3 +177,23 @@ def test_get_strategy_by_name():
         get_strategy("horovd")
     with pytest.raises(ValueError, match="takes no options"):
         get_strategy("default", mesh_shape="data:2")
+
+
+def test_a_layer_built_outside_the_scope_raises_when_the_mesh_runs_it():
+    layer = ShardedDense(8, ("d_model", "d_ff"), name="outside")
+    layer.build((None, 4))  # no strategy: whole weights
+    strategy = MeshStrategy("data:1;model:2", "d_ff:model")
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: layer(tf.ones((2, 4))))
+
+    with pytest.raises(ValueError, match=r"Layer 'outside' was built for mesh .* but is called in "
+                                         r"a replica of MeshStrategy.*scope"):
+        step()
+    # Outside any replica the layer reads global weights: the single-device result.
+    with strategy.scope():
+        inside = ShardedDense(8, ("d_model", "d_ff"), name="inside")
+        inside.build((None, 4))
+    x = np.ones((2, 4), "float32")
+    np.testing.assert_allclose(inside(x), x @ inside.kernel.numpy() + inside.bias.numpy(), rtol=1e-6)

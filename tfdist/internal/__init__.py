@@ -1,11 +1,19 @@
 """Quarantine: the only place where tfdist touches private TF/Keras APIs.
 
 Why: tf.distribute has no public extension point for a strategy whose variables
-are shards rather than mirrors, nor for routing a sharded weight's gradient to
-only the replicas that hold the same shard. `MeshExtended` subclasses
-`MirroredExtended` (tensorflow.python.distribute) and `ShardedVariable`
-subclasses `MirroredVariable`; both override private hooks (`_create_variable`,
-`_batch_reduce_to`, `_update`, `_get_cross_replica`, ...). Every hook used is
-exercised by `tests/internal/`, so a TF upgrade that moves one fails there
-first, loudly.
+are shards rather than mirrors, and Keras pairs gradients with their variables
+only inside its optimizer. One job per module, each checked by a test in
+`tests/internal/` (or, for the Horovod engine, `tests/cluster/test_horovod.py`)
+that fails first, loudly, when a TF or Keras upgrade moves the hook:
+
+- `mesh_extended`: `MeshExtended` (a `MirroredExtended`) and `ShardedVariable`
+  (a `MirroredVariable`): true shards, gradients routed by variable.
+- `horovod_extended`: `HorovodExtended`, one replica per Horovod rank.
+- `averaging_extended`: local SGD with periodic model averaging (BMUF).
+- `optimizer_gradients`: the Keras TF optimizer hook where gradients meet
+  their variables before any reduction.
+- `multi_worker_reduce`: Keras 3 `fit` under MultiWorkerMirroredStrategy (keras#20585).
+- `keras_predict`: recognising Keras's predict step.
+- `keras_fit`: the epoch Keras's `fit` starts from.
+- `collective_abort`: aborting pending collectives when a peer is lost.
 """

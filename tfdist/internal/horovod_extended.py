@@ -4,7 +4,7 @@ Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_reduce_to`, `_batch_reduce_to`, `_create_variable`,
 `_experimental_distribute_dataset`, `_num_replicas_in_sync`, `_call_for_each_replica`;
 `values.Mirrored`;
-`input_util.get_distributed_dataset`; through `ShardRouting` and
+through `ShardRouting` and
 `ShardedVariable` those of `mesh_extended`.
 
 `horovod.tensorflow.keras` targets Keras 2 optimizers and breaks on TF >= 2.16
@@ -34,7 +34,6 @@ rank must read it at the same time.
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
@@ -135,6 +134,19 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     # -- input: each rank its slice of every global batch ------------------------
 
     def _experimental_distribute_dataset(self, dataset, options):
+        """Each rank's slice of every global batch, as a plain `tf.data.Dataset`.
+
+        With one local replica there is nothing to distribute, so the rank's
+        dataset is handed to Keras as it is. TF's distributed dataset would
+        wrap it in a `MultiDeviceIterator`, whose prefetch thread can still
+        call into an iterator Keras is destroying (the next `fit` drops the
+        previous iterator): a segmentation fault in
+        `MultiDeviceBuffer::BackgroundThread` -> `DatasetBaseIterator::GetNext`
+        on a freed iterator, seen in most runs with each rank pinned to one
+        core (`taskset -c RANK`), where that thread is still running when the
+        iterator goes. Tested by tests/cluster/test_horovod.py's pinned run.
+        """
+        del options  # nothing to fetch to: the one device is this process's
         rank, size = self.hvd.rank(), self.hvd.size()
 
         def my_rows(*batch):
@@ -147,6 +159,4 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
 
         if size > 1:
             dataset = dataset.map(my_rows)
-        return input_util.get_distributed_dataset(
-            dataset, self._input_workers_with_options(options), self._container_strategy(),
-            num_replicas_in_sync=1, options=options)
+        return dataset.prefetch(tf.data.AUTOTUNE)  # as TF's iterator prefetched

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_mesh,
     check_positive_int,
     disable_jit_on_multi_device_mesh,
     sharded_mesh_axis,
@@ -129,6 +130,7 @@ class ShardedAttention(keras.layers.Layer):
     # -- training / evaluation ------------------------------------------------
 
     def call(self, query, memory=None, key_mask=None, causal=False, training=None):
+        check_mesh(self)
         axis = self._heads_axis
         query_all = collectives.all_gather(query, axis, dim=0)  # [b*M, Lq, d]
         memory_all = query_all if memory is None else collectives.all_gather(memory, axis, dim=0)

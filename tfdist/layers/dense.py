@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_mesh,
     check_axes,
     check_positive_int,
     disable_jit_on_multi_device_mesh,
@@ -121,6 +122,7 @@ class ShardedDense(keras.layers.Layer):
             )
 
     def call(self, inputs):
+        check_mesh(self)
         x = tf.convert_to_tensor(inputs)
         if self._out_axis is not None:
             return self._column(x)

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_mesh,
     check_axes,
     check_positive_int,
     disable_jit_on_multi_device_mesh,
@@ -95,6 +96,7 @@ class ShardedEmbedding(keras.layers.Layer):
         self._vocab_axis = sharded_mesh_axis(layout, 0)
 
     def call(self, inputs):
+        check_mesh(self)
         ids = tf.cast(inputs, "int32")
         axis = self._vocab_axis
         if axis is None:

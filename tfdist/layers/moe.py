@@ -31,6 +31,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_mesh,
     check_positive_int,
     disable_jit_on_multi_device_mesh,
     sharded_mesh_axis,
@@ -295,6 +296,7 @@ class MoE(keras.layers.Layer):
             )
 
     def call(self, inputs, training=False):
+        check_mesh(self)
         x = tf.convert_to_tensor(inputs)
         shape = tf.shape(x)
         d_model = x.shape[-1]

@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
+    check_mesh,
     check_positive_int,
     disable_jit_on_multi_device_mesh,
     sharded_mesh_axis,
@@ -299,6 +300,7 @@ class ShardedSoftmax(keras.layers.Layer):
                 initializer=self.bias_initializer)
 
     def call(self, inputs, labels=None, training=None):
+        check_mesh(self)
         x = collectives.all_gather(tf.convert_to_tensor(inputs), self._axis, dim=0)  # [b*M, d]
         if training and labels is not None and self.sample_rate < 1:
             return self._sampled_training(x, labels)

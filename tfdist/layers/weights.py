@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tfdist import collectives
+from tfdist import collectives, runtime
 from tfdist.internal.mesh_extended import LAYOUT_KWARG
 from tfdist.mesh import TensorLayout
 
@@ -45,6 +45,7 @@ def add_sharded_weight(
     layout = mesh.tensor_layout(
         axes, shape, what=f"Layer {layer.name!r} weight {name!r}", pad=pad
     )
+    layer._tfdist_built_mesh = mesh  # checked by `check_mesh` on every call
     if not hasattr(layer, "weight_layouts"):
         layer.weight_layouts = {}
     layer.weight_layouts[name] = layout
@@ -57,6 +58,30 @@ def add_sharded_weight(
 
     with tf.variable_creator_scope(creator):
         return layer.add_weight(name=name, shape=tuple(shape), **kwargs)
+
+
+def check_mesh(layer) -> None:
+    """Raises if `layer` runs in a replica of a mesh other than the one it was built for.
+
+    A tfdist layer lays its weights out for the mesh in scope when it is built.
+    Called in a replica of a tfdist strategy with another mesh (typically: built
+    outside `strategy.scope()`, so its weights are whole, then run by that
+    strategy) it would compute on unsharded weights while its collectives talk
+    over the new mesh. Calls outside any replica (Keras's symbolic build,
+    `Transformer.translate`, a model used without a strategy) read global
+    weights and compute the single-device result, so they pass.
+    """
+    built = getattr(layer, "_tfdist_built_mesh", None)
+    if built is None or tf.distribute.in_cross_replica_context():
+        return
+    mesh_runtime = runtime.current_runtime()
+    if mesh_runtime is None or mesh_runtime.mesh == built:
+        return
+    raise ValueError(
+        f"Layer {layer.name!r} was built for mesh {built} but is called in a replica of "
+        f"{mesh_runtime!r} (mesh {mesh_runtime.mesh}). Build the model inside that "
+        f"strategy's scope (`with strategy.scope(): model = ...`), or load its weights into "
+        f"a model built there.")
 
 
 def sharded_mesh_axis(layout: TensorLayout, dim: int) -> Optional[str]:

@@ -34,7 +34,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import collectives, runtime
 from tfdist.layers import ShardedEmbedding
 from tfdist.layers.attention import padding_bias
 from tfdist.layers.sharded_softmax import class_axis, sharded_cross_entropy
@@ -197,8 +197,8 @@ class Transformer(keras.Model):
         if max_length > self.model_config.max_length:
             raise ValueError(f"max_length={max_length} exceeds the model's position table "
                              f"({self.model_config.max_length}).")
-        mesh = getattr(self.distribute_strategy, "mesh", None)
-        if jit_compile and mesh is not None and len(self.distribute_strategy.extended.worker_devices) > 1:
+        on_mesh = runtime.current_runtime(self.distribute_strategy) is not None
+        if jit_compile and on_mesh and len(self.distribute_strategy.extended.worker_devices) > 1:
             jit_compile = False  # XLA cannot read variables that live on other devices
         key = (beam_size, float(alpha), max_length, jit_compile)
         if key not in self._decoders:

@@ -32,7 +32,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     `hvd.init`, so create the strategy before anything else initialises
     Horovod); a sharded weight's gradient is summed over the ranks holding the
     same shard only. Global reads of sharded weights (`get_weights`,
-    `save_weights`, `tfdist.checkpoint.save_global`) all-gather the shards, so
+    `save_weights`, `tfdist.checkpoint.save`) all-gather the shards, so
     every rank must make them together: save with
     `tfdist.callbacks.BackupAndRestore` (all ranks gather, rank 0 writes), not
     with a rank-0-only Keras `ModelCheckpoint`.
