@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/moe.py
 	$(PY) bench/xc_softmax.py
 	$(PY) bench/xc_processes.py
+	$(PY) bench/scaling.py
 	$(PY) bench/nmt.py
 
 # Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).

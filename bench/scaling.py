@@ -104,10 +104,12 @@ def _all_reduce_bytes_per_s(strategy, repeats=5):
     backend, everyone = strategy.backend, tuple(range(strategy.mesh.size))
 
     @tf.function
-    def reduce():
+    def reduce(value):
         def replica_fn():
+            # Inputs from an argument: Grappler would constant-fold an all-constant
+            # Horovod all-reduce at trace time (it is not marked stateful).
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            tensors = [tf.fill(s, tf.cast(replica, tf.float32)) for s in shapes]
+            tensors = [tf.fill(s, value + tf.cast(replica, tf.float32)) for s in shapes]
             index = strategy.mesh_device_index(int(tf.get_static_value(replica)))
             return tf.add_n([tf.reduce_sum(t) for t in backend.batch_all_reduce(
                 tensors, index, everyone)])
@@ -115,9 +117,9 @@ def _all_reduce_bytes_per_s(strategy, repeats=5):
         return strategy.run(replica_fn)
 
     best = float("inf")
-    for _ in range(repeats + 1):  # the first traces
+    for k in range(repeats + 1):  # the first traces
         start = time.perf_counter()
-        strategy.experimental_local_results(reduce())[0].numpy()
+        strategy.experimental_local_results(reduce(tf.constant(float(k))))[0].numpy()
         best = min(best, time.perf_counter() - start)
     return GRADIENT_BYTES / best
 
@@ -134,7 +136,8 @@ def job(args):
         from tfdist.strategies import HorovodStrategy
 
         strategy = HorovodStrategy()
-        result.update(processes=strategy.size, s_per_step=_time_fit(strategy, args.steps))
+        result.update(processes=strategy.size, s_per_step=_time_fit(strategy, args.steps),
+                      all_reduce_bytes_per_s=_all_reduce_bytes_per_s(strategy))
         chief = strategy.is_chief
     elif args.case == "multi_worker":
         import tensorflow as tf
@@ -188,34 +191,61 @@ def in_process(steps):
     return {k: min(v) for k, v in times.items()}
 
 
-def _receive(port, total):
+def _duplex(conn, nbytes, buffer):
+    """Sends and receives `nbytes` at once on `conn` (a thread sends, this one receives)."""
+    import threading
+
+    view = memoryview(buffer)
+    sender = threading.Thread(target=conn.sendall, args=(view[:nbytes],))
+    sender.start()
+    got = 0
+    while got < nbytes:
+        got += conn.recv_into(view[nbytes + got:2 * nbytes], 2 * nbytes - got - nbytes)
+    sender.join()
+
+
+def _ring_pattern(conn, total, repeats):
+    """A 2-process ring all-reduce's traffic: exchange total/2 bytes each way, twice."""
+    buffer = bytearray(total)  # first half sent, second half received
+    for _ in range(repeats):
+        for _ in range(2):  # reduce-scatter, then all-gather
+            _duplex(conn, total // 2, buffer)
+
+
+def _peer(port, total, repeats, one_way):
+    os.sched_setaffinity(0, {1 % os.cpu_count()})
     with socket.create_server(("127.0.0.1", port)) as server:
         conn, _ = server.accept()
         with conn:
-            got = 0
-            while got < total:
-                chunk = conn.recv(1 << 20)
-                if not chunk:
-                    break
-                got += len(chunk)
+            if one_way:
+                got, buffer = 0, bytearray(1 << 20)
+                while got < total * repeats:
+                    got += conn.recv_into(buffer)
+            else:
+                _ring_pattern(conn, total, repeats)
             conn.sendall(b"k")
 
 
-def loopback_bytes_per_s(total=256 << 20):
-    """One-way TCP bytes/s between two processes pinned to cores 0 and 1."""
+def loopback_bytes_per_s(total=GRADIENT_BYTES, repeats=8, one_way=False):
+    """Raw TCP bytes/s between two processes pinned to cores 0 and 1.
+
+    `one_way`: one stream from core 0 to core 1. Else the traffic of a
+    2-process ring all-reduce of `total` bytes (each process sends and
+    receives total/2 at once, twice), as bytes reduced per second: the
+    ceiling of an all-reduce on this loopback, without its arithmetic.
+    """
     import multiprocessing
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    receiver = multiprocessing.get_context("fork").Process(target=_receive, args=(port, total))
-    receiver.start()
-    os.sched_setaffinity(receiver.pid, {1 % os.cpu_count()})
+    peer = multiprocessing.get_context("fork").Process(
+        target=_peer, args=(port, total, repeats, one_way))
+    peer.start()
     previous = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})
     try:
-        payload = b"\0" * (16 << 20)
-        for _ in range(100):
+        for _ in range(200):
             try:
                 conn = socket.create_connection(("127.0.0.1", port))
                 break
@@ -223,14 +253,18 @@ def loopback_bytes_per_s(total=256 << 20):
                 time.sleep(0.05)
         with conn:
             start = time.perf_counter()
-            for _ in range(total // len(payload)):
-                conn.sendall(payload)
+            if one_way:
+                payload = memoryview(bytearray(total))
+                for _ in range(repeats):
+                    conn.sendall(payload)
+            else:
+                _ring_pattern(conn, total, repeats)
             conn.recv(1)
             seconds = time.perf_counter() - start
     finally:
         os.sched_setaffinity(0, previous)
-        receiver.join(timeout=30)
-    return total / seconds
+        peer.join(timeout=60)
+    return total * repeats / seconds
 
 
 def run_case(case, steps, processes):
@@ -275,6 +309,7 @@ def main():
         return 0
     print(f"MLP {D_MODEL}->{D_FF}->{D_MODEL}, batch {BATCH}, Adam, {args.steps} timed steps, "
           f"one core per process ({GRADIENT_BYTES / 1e6:.1f} MB of gradients a step)")
+    one_way = max(loopback_bytes_per_s(one_way=True) for _ in range(3))
     raw = max(loopback_bytes_per_s() for _ in range(3))
     cases = [("one", 1, "one process"), ("mesh_dp", 2, "MeshStrategy data:2 (mesh over workers)"),
              ("mesh_tp", 2, "MeshStrategy data:1;model:2 (tensor parallel)"),
@@ -303,11 +338,16 @@ def main():
         spread = f"{min(times):.3f}-{max(times):.3f}"
         print(f"{label:<48}{n:>10}{median(times):>9.3f}{spread:>14}{speedup:>10.2f}"
               f"{speedup / n:>12.2f}   ({len(times)}/{args.rounds} runs)")
-    print(f"raw loopback TCP, 2 pinned processes: {raw / 1e9:.2f} GB/s")
+    print(f"raw loopback TCP, 2 pinned processes: {one_way / 1e9:.2f} GB/s one way; "
+          f"{raw / 1e9:.2f} GB/s reduced by a ring all-reduce's traffic pattern (raw sockets)")
     if runs["mesh_dp"]:
         bw = median([r["all_reduce_bytes_per_s"] for r in runs["mesh_dp"]])
         print(f"all-reduce of {GRADIENT_BYTES / 1e6:.1f} MB on data:2 (TF ring collectives): "
-              f"{bw / 1e9:.2f} GB/s = {bw / raw:.2f} of raw loopback")
+              f"{bw / 1e9:.2f} GB/s = {bw / raw:.2f} of the raw ring pattern")
+    if runs.get("horovod"):
+        bw = median([r["all_reduce_bytes_per_s"] for r in runs["horovod"]])
+        print(f"all-reduce of {GRADIENT_BYTES / 1e6:.1f} MB over 2 Horovod ranks (Gloo): "
+              f"{bw / 1e9:.2f} GB/s = {bw / raw:.2f} of the raw ring pattern")
     if not args.skip_in_process:
         # In a fresh process: virtual devices must be set before TF starts.
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--in_process",
