@@ -19,6 +19,7 @@ parser.add_argument("--steps_per_execution", type=int, default=1)
 parser.add_argument("--die_rank", type=int, default=-1, help="This rank dies at epoch 1.")
 parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--pid_dir", default="", help="Each rank writes rank-<r>.pid at epoch 1.")
+parser.add_argument("--global_clipnorm", type=float, default=None)
 args = parser.parse_args()
 
 import keras  # noqa: E402
@@ -37,7 +38,10 @@ def build():
     keras.utils.set_random_seed(strategy.rank)  # different seeds: rank 0's weights must win
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(4)])
-    model.compile(keras.optimizers.Adam(0.01),
+    # Clipping with SGD: Adam would hide a wrong clip scale (it is scale-invariant).
+    optimizer = (keras.optimizers.SGD(0.5, global_clipnorm=args.global_clipnorm)
+                 if args.global_clipnorm else keras.optimizers.Adam(0.01))
+    model.compile(optimizer,
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], steps_per_execution=args.steps_per_execution)
     return model

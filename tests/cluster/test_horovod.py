@@ -48,6 +48,14 @@ def test_matches_one_process_and_ranks_agree(steps_per_execution, pinned):
     print(result.stdout.strip().splitlines()[-1])
 
 
+def test_global_clipnorm_clips_the_global_gradient_like_one_process():
+    result = horovodrun("--global_clipnorm", "0.05")  # below the gradient norms: clips
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    found = ranks(result.stdout)
+    assert sorted(found) == [0, 1] and found[0][2] == found[1][2]
+    assert float(found[0][1]) < 1e-5, found[0]
+
+
 def test_fp16_compression_reports_its_drift():
     result = horovodrun("--compression", "fp16")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

@@ -35,6 +35,7 @@ from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import record
 from tensorflow.python.framework import ops
 
+from tfdist.clipping import clip_global
 from tfdist.mesh import TensorLayout
 
 LAYOUT_KWARG = "tfdist_layout"
@@ -175,7 +176,9 @@ class ShardRouting:
     - a replicated weight's gradient is summed over every replica, all of them
       fused into a few buckets (`Backend.batch_all_reduce`);
     - a sharded weight's gradient is summed over the replicas that hold the
-      same shard (`TensorLayout.shard_owner_groups`), fused per group.
+      same shard (`TensorLayout.shard_owner_groups`), fused per group;
+    - then the optimizer's clipping applies to the reduced gradients with
+      norms of the global tensors (`tfdist.clipping`): exactly one device's.
 
     Everything else TF reduces (metrics, `strategy.reduce`) goes to the
     subclass's `_batch_reduce_to`/`_reduce_to`. A trainable sharded weight
@@ -294,12 +297,14 @@ class ShardRouting:
             self._routed_graph, self._routed = graph, set()
         return self._routed
 
-    def reduce_gradients(self, grads_and_vars):
+    def reduce_gradients(self, grads_and_vars, clipping=None):
         """Sums each gradient over the replicas its variable needs; the data path.
 
         Called in cross-replica context (a merge call) with every replica's
         gradient of each variable. Returns the reduced gradients in order:
-        `Mirrored` for replicated variables, `PerReplica` shards for sharded ones.
+        `Mirrored` for replicated variables, `PerReplica` shards for sharded
+        ones; clipped by `clipping` (a `tfdist.clipping.Clipping`) on the
+        reduced, global gradient.
         """
         grads_and_vars = list(grads_and_vars)
         n_local = len(self._devices)
@@ -335,8 +340,25 @@ class ShardRouting:
                     dense = [_dense(components[k][i]) for k in positions]
                     for k, r in zip(positions, self.backend.batch_all_reduce(dense, index, group)):
                         reduced[k][i] = r
+        if clipping is not None and clipping.active:
+            self._clip(clipping, reduced, [v for _, v in grads_and_vars])
         return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))
                 for r, (_, v) in zip(reduced, grads_and_vars)]
+
+    def _clip(self, clipping, reduced, variables):
+        """Clips `reduced[k][i]` in place, replica by replica, on global norms."""
+        sharded = [isinstance(v, ShardedVariable) for v in variables]
+        owners = [len(v.layout.shard_owner_groups()[0]) if s else 1
+                  for v, s in zip(variables, sharded)]
+        everyone = tuple(range(self.mesh.size))
+        for i in range(len(self._devices)):
+            index = self.mesh_device_index(i)
+            with tf.device(self._devices[i]):
+                clipped = clip_global(
+                    clipping, [r[i] for r in reduced], sharded, owners,
+                    lambda x, index=index: self.backend.all_reduce(x, index, everyone))
+            for r, c in zip(reduced, clipped):
+                r[i] = c
 
     def _update(self, var, fn, args, kwargs, group):
         if (isinstance(var, ShardedVariable) and var.trainable and args

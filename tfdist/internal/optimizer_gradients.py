@@ -1,7 +1,8 @@
 """The optimizer hook where tfdist routes gradients by variable.
 
 Private Keras API used here (and only here):
-`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`.
+`keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients`
+and `BaseOptimizer._clip_gradients` (through `TFOptimizer`).
 
 Keras 3's TF optimizer pairs each gradient with its variable only inside the
 optimizer: `BaseOptimizer.apply` unscales (loss scaling), then
@@ -19,35 +20,57 @@ pairs go in one merge call to `strategy.extended.reduce_gradients`, which
 routes each gradient by its variable (`tfdist.internal.mesh_extended`);
 under every other strategy Keras's own method runs unchanged. The user's
 model, optimizer and `fit` are untouched.
+
+Keras clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
+`_backend_apply_gradients`, per replica and before any reduction. Under a
+tfdist strategy `_clip_gradients` passes the replica's gradients through and
+the clipping is applied to the reduced gradients instead (`tfdist.clipping`),
+so it clips the global gradient as one device would.
 """
 
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
 from tfdist import runtime
+from tfdist.clipping import Clipping
 
 _KERAS_ALL_REDUCE = tf_optimizer.TFOptimizer._all_reduce_sum_gradients
+_KERAS_CLIP = tf_optimizer.TFOptimizer._clip_gradients
+
+
+def _routed(optimizer) -> bool:
+    import tensorflow as tf
+
+    return (runtime.current_runtime(optimizer._distribution_strategy) is not None
+            and tf.distribute.get_replica_context() is not None)
+
+
+def _clip_gradients(self, grads):
+    if _routed(self):
+        return grads  # clipped after the reduction, in `_all_reduce_sum_gradients`
+    return _KERAS_CLIP(self, grads)
 
 
 def _all_reduce_sum_gradients(self, grads_and_vars):
     import tensorflow as tf
 
-    strategy = self._distribution_strategy
-    replica_context = tf.distribute.get_replica_context()
-    if runtime.current_runtime(strategy) is None or replica_context is None:
+    if not _routed(self):
         return _KERAS_ALL_REDUCE(self, grads_and_vars)
     grads_and_vars = list(grads_and_vars)
     present = [(g, v) for g, v in grads_and_vars if g is not None]
     if not present:
         return grads_and_vars
-    reduced = iter(replica_context.merge_call(
-        lambda s, pairs: s.extended.reduce_gradients(pairs), args=(present,)))
+    clipping = Clipping.of(self)
+    reduced = iter(tf.distribute.get_replica_context().merge_call(
+        lambda s, pairs: s.extended.reduce_gradients(pairs, clipping), args=(present,)))
     return [(g if g is None else next(reduced), v) for g, v in grads_and_vars]
 
 
 def install() -> None:
     """Routes Keras TF optimizers' gradients through tfdist strategies (idempotent)."""
     tf_optimizer.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    tf_optimizer.TFOptimizer._clip_gradients = _clip_gradients
 
 
 def installed() -> bool:
-    return tf_optimizer.TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients
+    return (tf_optimizer.TFOptimizer._all_reduce_sum_gradients is _all_reduce_sum_gradients
+            and tf_optimizer.TFOptimizer._clip_gradients is _clip_gradients)
