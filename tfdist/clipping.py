@@ -11,7 +11,8 @@ norm is the sum over its distinct shards (one all-reduce for all weights).
 
 Keras's order of precedence holds: `clipnorm`, else `global_clipnorm`, else
 `clipvalue`; the formulas are Keras's (`tf.clip_by_norm`,
-`clip_by_global_norm`, `clip`).
+`clip_by_global_norm`, `clip`), also for the sparse gradient of a Keras
+`Embedding` (rows clipped and counted as Keras counts them).
 """
 
 import dataclasses
@@ -51,13 +52,15 @@ def clip_global(clipping: Clipping, grads: Sequence, sharded: Sequence[bool],
     """
     if clipping.clipnorm is not None and clipping.clipnorm > 0:
         squares = _global_squares(grads, sharded, owners, sum_over_replicas)
-        return [_clip_by_norm(g, s, clipping.clipnorm) for g, s in zip(grads, squares)]
+        return [tf.clip_by_norm(g, clipping.clipnorm) if isinstance(g, tf.IndexedSlices)
+                else _clip_by_norm(g, s, clipping.clipnorm) for g, s in zip(grads, squares)]
     if clipping.global_clipnorm is not None and clipping.global_clipnorm > 0:
         squares = _global_squares(grads, sharded, owners, sum_over_replicas)
         norm = tf.sqrt(tf.add_n(squares))
         clip = tf.cast(clipping.global_clipnorm, norm.dtype)
         scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
         scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
+        # As Keras: `IndexedSlices * scale` is dense (duplicate rows summed).
         return [g * tf.cast(scale, g.dtype) for g in grads]
     if clipping.clipvalue is not None and clipping.clipvalue > 0:
         v = clipping.clipvalue
@@ -66,8 +69,13 @@ def clip_global(clipping: Clipping, grads: Sequence, sharded: Sequence[bool],
 
 
 def _global_squares(grads, sharded, owners, sum_over_replicas):
-    """Each gradient's squared L2 norm over its global tensor (float32)."""
-    local = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads]
+    """Each gradient's squared L2 norm over its global tensor (float32).
+
+    An `IndexedSlices` (a replicated weight's, complete on every replica) counts
+    its rows as Keras does: the sum of their squares, duplicates included.
+    """
+    local = [tf.reduce_sum(tf.square(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g,
+                                             tf.float32))) for g in grads]
     shard_positions = [k for k, s in enumerate(sharded) if s]
     if not shard_positions:
         return local

@@ -43,6 +43,9 @@ adam = job_cases.adam
 if "token_mlp" in models:
     print(f"rank {rank} token_mlp {mesh}: {job_cases.token_mlp(strategy)}", flush=True)
 
+if "plain_embedding" in models:
+    print(f"rank {rank} plain_embedding {mesh}: {job_cases.plain_embedding(strategy)}", flush=True)
+
 if "xc_head" in models:
     print(f"rank {rank} xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 

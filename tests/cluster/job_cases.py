@@ -26,6 +26,16 @@ def token_mlp(strategy):
         optimizer=adam, batch_size=16, steps=10, rtol=1e-5)
 
 
+def plain_embedding(strategy):
+    """The token model with a replicated keras.layers.Embedding (sparse gradient), clipped."""
+    x, y = make_copy_task(10 * 16)
+    return assert_equivalent(
+        lambda: build_token_mlp(plain_embedding=True), strategy, x, y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
+        batch_size=16, steps=10, rtol=1e-5)
+
+
 def xc_head(strategy, num_classes=1001):
     """ShardedSoftmax with label smoothing, C not divisible by the shards."""
     rng = np.random.default_rng(0)

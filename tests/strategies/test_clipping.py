@@ -5,6 +5,8 @@ MirroredStrategy `global_clipnorm` trains differently from one device (the
 upstream behaviour, shown first); tfdist clips after the reduction.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -94,3 +96,13 @@ def test_the_thresholds_really_clip(build, data):
         clipped = train(_clipped_sgd(option))
         assert max(max_rel_diff(a, b) for a, b in zip(clipped, plain)) > 1e-2, option
     assert np.isfinite(plain[0]).all()
+
+
+@pytest.mark.parametrize("option", sorted(CLIPPING))
+def test_clipping_a_plain_embeddings_sparse_gradient_matches_one_device(option):
+    x, y = make_copy_task(STEPS * BATCH)
+    build = functools.partial(build_token_mlp, plain_embedding=True)
+    report = assert_equivalent(build, MeshStrategy("data:2;model:2", LAYOUT),
+                               x, y, loss=_loss(), optimizer=_clipped_sgd(option),
+                               batch_size=BATCH, steps=STEPS, rtol=1e-5)
+    print(f"plain Embedding, 2x2, {option}={CLIPPING[option]}: {report}")

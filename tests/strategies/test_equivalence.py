@@ -1,5 +1,7 @@
 """Sharded model vs its single-device Keras reference, over many mesh shapes."""
 
+import functools
+
 import keras
 import pytest
 
@@ -74,3 +76,13 @@ def test_tied_weights_and_loss_scaling_match_single_device(mesh):
         rtol=1e-5,
     )
     print(f"{mesh} tied + loss scaling: {report}")
+
+
+@pytest.mark.parametrize("mesh", ["data:2;model:1", "data:1;model:2", "data:2;model:2"])
+def test_a_plain_keras_embedding_beside_sharded_layers_matches_single_device(mesh):
+    x, y = make_copy_task(STEPS * BATCH)
+    report = assert_equivalent(
+        functools.partial(build_token_mlp, plain_embedding=True), MeshStrategy(mesh, LAYOUT), x, y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=OPTIMIZERS["adam"], batch_size=BATCH, steps=STEPS, rtol=1e-5)
+    print(f"{mesh} plain Embedding: {report}")

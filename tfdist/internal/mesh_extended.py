@@ -158,10 +158,11 @@ def split_global(layout: TensorLayout, value):
 
 
 def _dense(value):
-    """A gradient as a dense tensor (an `IndexedSlices` sum is scattered into zeros).
+    """A gradient as a dense tensor (an `IndexedSlices` is scattered into zeros).
 
-    Keras's optimizers compute with dense moments either way (`ops.subtract`
-    of `IndexedSlices` and a variable is dense), so this changes no update.
+    Only for gradients that are summed: a sharded weight's, whose shard is
+    computed densely by tfdist's layers; a replicated weight's sparse
+    gradient is gathered instead (`ShardRouting._gather_slices`).
     """
     return tf.convert_to_tensor(value)
 
@@ -174,7 +175,8 @@ class ShardRouting:
     reduction:
 
     - a replicated weight's gradient is summed over every replica, all of them
-      fused into a few buckets (`Backend.batch_all_reduce`);
+      fused into a few buckets (`Backend.batch_all_reduce`); a sparse one
+      (`IndexedSlices`, a Keras `Embedding`) is gathered and stays sparse;
     - a sharded weight's gradient is summed over the replicas that hold the
       same shard (`TensorLayout.shard_owner_groups`), fused per group;
     - then the optimizer's clipping applies to the reduced gradients with
@@ -324,6 +326,8 @@ class ShardRouting:
             if isinstance(var, ShardedVariable):
                 routed.add(id(var))
                 groups = var.layout.shard_owner_groups()
+            elif all(isinstance(c, tf.IndexedSlices) for c in parts):
+                continue  # gathered below, kept sparse
             for i in range(n_local):
                 index = self.mesh_device_index(i)
                 if isinstance(var, ShardedVariable):
@@ -331,10 +335,14 @@ class ShardRouting:
                 else:
                     group = everyone
                 plan[i].setdefault(tuple(group), []).append(k)
+        planned = {k for p in plan for positions in p.values() for k in positions}
         reduced = [[None] * n_local for _ in grads_and_vars]
         for i in range(n_local):
             index = self.mesh_device_index(i)
             with tf.device(self._devices[i]):
+                for k in range(len(grads_and_vars)):
+                    if k not in planned:  # a replicated weight's sparse gradient
+                        reduced[k][i] = self._gather_slices(components[k][i], index, everyone)
                 for group, positions in plan[i].items():
                     positions = positions[::-1]
                     dense = [_dense(components[k][i]) for k in positions]
@@ -344,6 +352,22 @@ class ShardRouting:
             self._clip(clipping, reduced, [v for _, v in grads_and_vars])
         return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))
                 for r, (_, v) in zip(reduced, grads_and_vars)]
+
+    def _gather_slices(self, slices, index, group):
+        """Every replica's `IndexedSlices` rows, concatenated in device order.
+
+        A replicated weight read with `tf.gather` (a Keras `Embedding`) gets an
+        `IndexedSlices` gradient, one row per looked-up id. Keras's optimizers
+        treat it sparsely (Adam updates the moments of those rows only), so it
+        must stay sparse: its sum over replicas is the concatenation of their
+        rows, the same rows in the same order as one device's gradient of the
+        whole batch (replicas hold consecutive slices of it), as MirroredStrategy
+        gathers it too.
+        """
+        return tf.IndexedSlices(
+            self.backend.all_gather(slices.values, index, group),
+            self.backend.all_gather(slices.indices, index, group),
+            slices.dense_shape)
 
     def _clip(self, clipping, reduced, variables):
         """Clips `reduced[k][i]` in place, replica by replica, on global norms."""

@@ -15,15 +15,20 @@ import numpy as np
 from tfdist.layers import ShardedDense, ShardedEmbedding
 
 
-def build_token_mlp(vocab_size=16, d_model=8, d_ff=32, length=4) -> keras.Model:
+def build_token_mlp(vocab_size=16, d_model=8, d_ff=32, length=4,
+                    plain_embedding=False) -> keras.Model:
     """Builds the model; weights are sharded by the layout of the strategy in scope.
+
+    With `plain_embedding`, the embedding is a replicated `keras.layers.Embedding`
+    (a sparse `IndexedSlices` gradient) instead of a `ShardedEmbedding`.
 
     Returns:
         A functional Keras model from ids `[batch, length]` to logits
         `[batch, length, vocab_size]`.
     """
     ids = keras.Input((length,), dtype="int32", name="ids")
-    h = ShardedEmbedding(vocab_size, d_model, name="embed")(ids)
+    embed = keras.layers.Embedding if plain_embedding else ShardedEmbedding
+    h = embed(vocab_size, d_model, name="embed")(ids)
     f = ShardedDense(d_ff, ("d_model", "d_ff"), activation="relu",
                      output_sharded=True, name="ffn1_in")(h)
     h = h + ShardedDense(d_model, ("d_ff", "d_model"), input_sharded=True, name="ffn1_out")(f)

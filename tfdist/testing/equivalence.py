@@ -67,7 +67,8 @@ def _per_device(strategy, value):
     A strategy whose replicas live in several processes (HorovodStrategy)
     gathers them with `gather_local_results` (a collective: all processes).
     """
-    local = [np.asarray(v.numpy()) for v in strategy.experimental_local_results(value)]
+    local = [np.asarray(tf.convert_to_tensor(v).numpy())  # IndexedSlices too
+             for v in strategy.experimental_local_results(value)]
     gather = getattr(strategy, "gather_local_results", None)
     return gather(local) if gather is not None else local
 
