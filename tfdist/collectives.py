@@ -209,3 +209,22 @@ def _all_to_all(ctx, x, split_dim, concat_dim):
         return tf.concat(tf.unstack(received, num=ctx.size), axis=concat_dim), grad
 
     return op(x)
+
+
+def sum_over_replicas(x):
+    """Sum of `x` over every replica of the strategy in scope (no gradient).
+
+    Under a tfdist mesh: a `psum` over all its axes; under another
+    multi-replica strategy (MirroredStrategy, MultiWorkerMirroredStrategy):
+    its replica context's all-reduce; elsewhere `x`. For normalisers such as
+    a global token count, so a loss is the same under every strategy.
+    """
+    x = tf.stop_gradient(x)
+    if runtime.current_runtime() is not None:
+        for axis in current_mesh().shape.names:
+            x = psum(x, axis)
+        return tf.stop_gradient(x)
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return x
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfdist.models import decoding
 from tfdist.models.transformer import (
@@ -11,7 +12,7 @@ from tfdist.models.transformer import (
     Transformer,
 )
 from tfdist.models.transformer_layers import TransformerConfig
-from tfdist.strategies import MeshStrategy
+from tfdist.strategies import MeshStrategy, get_strategy
 from tfdist.testing.equivalence import assert_equivalent
 
 V, BATCH, LS, LT = 32, 8, 8, 8
@@ -155,3 +156,19 @@ def test_get_config_round_trip_and_schedule():
     schedule = InverseSqrtSchedule(16, warmup_steps=10)
     lrs = [float(schedule(s)) for s in range(30)]
     assert np.argmax(lrs) == 9 and lrs[0] < lrs[9] and lrs[29] < lrs[9]
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored", "mesh"])
+def test_sequence_crossentropy_under_other_strategies_matches_one_device(strategy_name):
+    """The global token count is summed by whatever strategy runs (not N x the gradient)."""
+    config = _config()
+    x, y = _batches(6)
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    options = {"devices": cpus} if strategy_name == "mirrored" else {"mesh_shape": "data:2",
+                                                                      "devices": cpus}
+    report = assert_equivalent(
+        lambda: Transformer(config), get_strategy(strategy_name, **options), x, y,
+        loss=SequenceCrossentropy(V, label_smoothing=0.1),
+        optimizer=lambda: keras.optimizers.SGD(0.5), batch_size=BATCH, steps=6,
+        compare_outputs=False, reference=lambda: Transformer(config), rtol=1e-5)
+    print(f"transformer under {strategy_name}: {report}")

@@ -233,8 +233,10 @@ class SequenceCrossentropy(keras.losses.Loss):
 
     Padding (id 0) is masked and the loss is the mean over the *global*
     batch's real tokens: each replica returns its tokens' losses divided by
-    the token count summed over every mesh axis, and the `sum` reduction
-    adds them up, so any mesh trains exactly like one device. Works on the
+    the token count summed over every replica (`collectives.sum_over_replicas`:
+    the mesh's axes, or another strategy's all-reduce), and the `sum`
+    reduction adds them up, so any mesh, and any tf.distribute strategy,
+    trains exactly like one device. Works on the
     vocabulary shards `Transformer` returns (and on full logits on one device).
 
     Args:
@@ -254,9 +256,7 @@ class SequenceCrossentropy(keras.losses.Loss):
         losses = sharded_cross_entropy(labels, logits, self.vocab_size, class_axis("vocab"),
                                        self.label_smoothing)
         weights = tf.cast(tf.not_equal(labels, PAD_ID), losses.dtype)
-        tokens = tf.reduce_sum(weights)
-        for axis in collectives.current_mesh().shape.names:
-            tokens = collectives.psum(tokens, axis)
+        tokens = collectives.sum_over_replicas(tf.reduce_sum(weights))  # any strategy
         return tf.reshape(losses * weights, tf.shape(y_true)) / tf.maximum(tokens, 1.0)
 
     def get_config(self):
