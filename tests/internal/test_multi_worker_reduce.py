@@ -13,7 +13,10 @@ from tfdist.internal.multi_worker_reduce import reduce_for_keras
 
 
 def _two_cpus():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Reduction through one device: TF's collectives would share instance keys with any
+    # other MirroredStrategy of this test process ("Shape mismatch in the collective").
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def test_keras_fit_reduces_the_nested_first_batch_with_axis_none():
