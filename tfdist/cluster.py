@@ -26,6 +26,9 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+DEVICES_ENV = "TFDIST_DEVICES_PER_WORKER"
+"""Set by `python -m tfdist.launch` for each task: its logical CPU devices."""
+
 _EXAMPLE = ('{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
             '"task": {"type": "worker", "index": 0}}')
 
@@ -182,8 +185,6 @@ class ClusterConfig:
         Raises:
             ValueError: the mesh size is not tasks x devices per task.
         """
-        from tfdist.launch.local import devices_per_worker_from_env
-
         per_worker = devices_per_worker or devices_per_worker_from_env()
         if self.num_tasks * per_worker != mesh_size:
             raise ValueError(
@@ -210,7 +211,6 @@ class ClusterConfig:
         """
         import tensorflow as tf
 
-        from tfdist.launch.local import devices_per_worker_from_env
         from tfdist.testing.devices import split_cpu
 
         devices_per_worker = devices_per_worker or devices_per_worker_from_env()
@@ -306,3 +306,12 @@ def watch(cluster: ClusterConfig, interval_s: float = 2.0, misses: int = 3) -> N
         thread = threading.Thread(target=loop, name="tfdist-cluster-watch", daemon=True)
         thread.start()
         _WATCHED[id(cluster)] = thread
+
+
+def devices_per_worker_from_env(default: Optional[int] = None) -> int:
+    value = os.environ.get(DEVICES_ENV, "")
+    if not value:
+        return default or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DEVICES_ENV}={value!r} must be a positive integer.")
+    return int(value)

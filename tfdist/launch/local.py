@@ -8,11 +8,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
-from tfdist.cluster import ClusterConfig
+from tfdist.cluster import DEVICES_ENV, ClusterConfig
 
-DEVICES_ENV = "TFDIST_DEVICES_PER_WORKER"
 
 
 def free_ports(n: int) -> List[int]:
@@ -127,12 +126,3 @@ def horovod_command(command: Sequence[str], hosts: Sequence[str], slots: int) ->
     """The `horovodrun` line for one process per device on `hosts`."""
     spec = ",".join(f"{h.split(':')[0]}:{slots}" for h in hosts)
     return f"horovodrun -np {len(hosts) * slots} -H {spec} --gloo {shlex.join(command)}"
-
-
-def devices_per_worker_from_env(default: Optional[int] = None) -> int:
-    value = os.environ.get(DEVICES_ENV, "")
-    if not value:
-        return default or 1
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{DEVICES_ENV}={value!r} must be a positive integer.")
-    return int(value)
