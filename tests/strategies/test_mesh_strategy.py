@@ -197,3 +197,29 @@ def test_a_layer_built_outside_the_scope_raises_when_the_mesh_runs_it():
         inside.build((None, 4))
     x = np.ones((2, 4), "float32")
     np.testing.assert_allclose(inside(x), x @ inside.kernel.numpy() + inside.bias.numpy(), rtol=1e-6)
+
+
+def test_a_trace_that_fails_part_way_leaves_the_strategy_usable():
+    from tfdist import collectives
+
+    # The timeout bounds the hang this test guards against (the retrace pairing
+    # replica 0's second psum with replica 1's first).
+    strategy = MeshStrategy("data:1;model:2", collective_timeout=30)
+    fail = [True]
+
+    def replica_fn(x):
+        y = collectives.psum(x, "model")
+        replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        if fail[0] and replica == 0:
+            raise ValueError("a bad shape caught while tracing")
+        return collectives.psum(y * 2.0, "model")
+
+    def step(x):
+        return strategy.run(replica_fn, args=(x,))
+
+    with pytest.raises(ValueError, match="a bad shape caught while tracing"):
+        tf.function(step)(tf.ones([2]))
+    fail[0] = False
+    out = tf.function(step)(tf.ones([2]))
+    for value in strategy.experimental_local_results(out):
+        np.testing.assert_array_equal(value.numpy(), [8.0, 8.0])  # (1 + 1) * 2 summed twice

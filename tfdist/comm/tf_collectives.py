@@ -86,6 +86,26 @@ class TFCollectiveBackend:
                 self._instance_keys[(group, seq)] = next(self._next_instance_key)
             return group_key, self._instance_keys[(group, seq)]
 
+    def resync(self) -> None:
+        """Puts every device of each group at the same next collective.
+
+        Keys are drawn per device in trace order. A trace that failed in Python
+        part-way (an error in one replica after some collectives) leaves the
+        devices of a group at different positions, and the next trace's
+        collectives would pair wrong instances and hang. The strategy calls
+        this before every trace of a step: all devices continue from the
+        furthest position, on fresh instance keys.
+        """
+        with self._key_lock:
+            top = {}
+            for (group, _), seq in self._sequence.items():
+                top[group] = max(top.get(group, 0), seq)
+            for group, replica in list(self._sequence):
+                self._sequence[(group, replica)] = top[group]
+            for group in top:  # devices of the group that never drew a key
+                for replica in group:
+                    self._sequence[(group, replica)] = top[group]
+
     def _common(self, replica, group):
         group_key, instance_key = self._keys(replica, group)
         return dict(

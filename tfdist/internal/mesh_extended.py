@@ -1,7 +1,8 @@
 """MeshExtended and ShardedVariable: true shards under tf.distribute.
 
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
-`_create_variable`, `_update`, `_use_merge_call`, `_initialize_strategy`;
+`_create_variable`, `_update`, `_use_merge_call`, `_initialize_strategy`,
+`_call_for_each_replica`;
 `MirroredVariable` and its hooks `_get_cross_replica`,
 `_update_cross_replica`, `_update_replica`, `_serialize_to_tensors`,
 `_restore_from_tensors`.
@@ -419,3 +420,9 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
 
     def _use_merge_call(self):
         return True
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        # After a trace that failed part-way, the devices' collective keys must
+        # agree again before the next one (see `TFCollectiveBackend.resync`).
+        self.backend.resync()
+        return super()._call_for_each_replica(fn, args, kwargs)
