@@ -63,7 +63,8 @@ def test_fp16_compression_reports_its_drift():
     drift = float(found[0][1])
     print(f"fp16 gradient compression: weights {drift:.1e} relative from one fp32 process "
           f"after 30 Adam steps")
-    assert drift < 0.2 and found[0][2] == found[1][2]
+    # fp16 rounding must show: uncompressed runs stay below 1e-5 (the test above); measured 2.3e-4.
+    assert 1e-5 < drift < 0.2 and found[0][2] == found[1][2]
 
 
 def test_a_rank_killed_by_pid_ends_the_job_within_60_s_naming_it(tmp_path):
