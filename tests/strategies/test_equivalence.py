@@ -86,3 +86,12 @@ def test_a_plain_keras_embedding_beside_sharded_layers_matches_single_device(mes
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=OPTIMIZERS["adam"], batch_size=BATCH, steps=STEPS, rtol=1e-5)
     print(f"{mesh} plain Embedding: {report}")
+
+
+
+def test_the_harness_refuses_lists_of_other_lengths_instead_of_comparing_a_prefix():
+    from tfdist.testing.equivalence import _same_length
+
+    _same_length("optimizer variables", [1, 2], [3, 4])
+    with pytest.raises(AssertionError, match="the model has 2 optimizer variables, its reference 3"):
+        _same_length("optimizer variables", [1, 2], [1, 2, 3])

@@ -56,6 +56,13 @@ class EquivalenceReport:
                 f"{self.weights:.1e}, optimizer variables {self.optimizer_variables:.1e}")
 
 
+def _same_length(what, actual, expected):
+    """Raises unless both lists are as long: `zip` would compare a prefix silently."""
+    if len(actual) != len(expected):
+        raise AssertionError(f"the model has {len(actual)} {what}, its reference "
+                             f"{len(expected)}: nothing would compare the others")
+
+
 def _rows(x, n):
     """The first `n` rows of an array or of each array of a tuple/dict."""
     return tf.nest.map_structure(lambda a: a[:n], x)
@@ -174,6 +181,7 @@ def compare_with_reference(
         ref_added = tf.add_n(reference.losses) if reference.losses else tf.constant(0.0)
         ref_loss = reference_loss(y1, predictions) + ref_added
     ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
+    _same_length("gradients", grads, ref_grads)
     gradients = max(max_rel_diff(g, tf.convert_to_tensor(r)) for g, r in zip(grads, ref_grads))
 
     with strategy.scope():
@@ -183,6 +191,8 @@ def compare_with_reference(
     model.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
     reference.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False,
                   verbose=0)
+    _same_length("weights", model.get_weights(), reference.get_weights())
+    _same_length("optimizer variables", model.optimizer.variables, reference.optimizer.variables)
     weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(), reference.get_weights()))
     slots = max(
         max_rel_diff(a.numpy(), b.numpy())
