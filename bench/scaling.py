@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -325,8 +326,7 @@ def main():
                 runs[case].append(r)
     if not runs["one"]:
         return 1
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    base = median([r["s_per_step"] for r in runs["one"]])
+    base = statistics.median_high([r["s_per_step"] for r in runs["one"]])
     print(f"{'case':<48}{'processes':>10}{'s/step':>9}{'(min-max)':>14}{'speed-up':>10}"
           f"{'efficiency':>12}")
     for case, n, label in cases:
@@ -334,18 +334,19 @@ def main():
         if not times:
             print(f"{label:<48}{n:>10}{'failed':>9}")
             continue
-        speedup = base / median(times)
+        step = statistics.median_high(times)
+        speedup = base / step
         spread = f"{min(times):.3f}-{max(times):.3f}"
-        print(f"{label:<48}{n:>10}{median(times):>9.3f}{spread:>14}{speedup:>10.2f}"
+        print(f"{label:<48}{n:>10}{step:>9.3f}{spread:>14}{speedup:>10.2f}"
               f"{speedup / n:>12.2f}   ({len(times)}/{args.rounds} runs)")
     print(f"raw loopback TCP, 2 pinned processes: {one_way / 1e9:.2f} GB/s one way; "
           f"{raw / 1e9:.2f} GB/s reduced by a ring all-reduce's traffic pattern (raw sockets)")
     if runs["mesh_dp"]:
-        bw = median([r["all_reduce_bytes_per_s"] for r in runs["mesh_dp"]])
+        bw = statistics.median_high([r["all_reduce_bytes_per_s"] for r in runs["mesh_dp"]])
         print(f"all-reduce of {GRADIENT_BYTES / 1e6:.1f} MB on data:2 (TF ring collectives): "
               f"{bw / 1e9:.2f} GB/s = {bw / raw:.2f} of the raw ring pattern")
     if runs.get("horovod"):
-        bw = median([r["all_reduce_bytes_per_s"] for r in runs["horovod"]])
+        bw = statistics.median_high([r["all_reduce_bytes_per_s"] for r in runs["horovod"]])
         print(f"all-reduce of {GRADIENT_BYTES / 1e6:.1f} MB over 2 Horovod ranks (Gloo): "
               f"{bw / 1e9:.2f} GB/s = {bw / raw:.2f} of the raw ring pattern")
     if not args.skip_in_process:

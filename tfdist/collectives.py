@@ -26,7 +26,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist import runtime
-from tfdist.mesh import Mesh
+from tfdist.runtime import current_mesh  # noqa: F401  (re-exported: layers read it here)
 
 
 class AxisContext:
@@ -49,11 +49,6 @@ class AxisContext:
     @property
     def size(self) -> int:
         return len(self.group)
-
-
-def current_mesh() -> Mesh:
-    """The mesh of the strategy in scope, or a one-device mesh (`tfdist.runtime`)."""
-    return runtime.current_mesh()
 
 
 def axis_context(axis: Optional[str]) -> Optional[AxisContext]:
@@ -223,7 +218,7 @@ def sum_over_replicas(x):
     if runtime.current_runtime() is not None:
         for axis in current_mesh().shape.names:
             x = psum(x, axis)
-        return tf.stop_gradient(x)
+        return x
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return x

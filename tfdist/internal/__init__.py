@@ -17,3 +17,15 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `keras_fit`: the epoch Keras's `fit` starts from.
 - `collective_abort`: aborting pending collectives when a peer is lost.
 """
+
+
+def install_keras_hooks() -> None:
+    """Installs every Keras hook a tfdist mesh strategy relies on (idempotent).
+
+    Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
+    every tfdist mesh strategy calls this when it is created.
+    """
+    from tfdist.internal import keras_jit, loss_scale, optimizer_gradients
+
+    for hook in (optimizer_gradients, keras_jit, loss_scale):
+        hook.install()

@@ -287,7 +287,7 @@ class ShardRouting:
         """
         if isinstance(value, values.DistributedValues):
             return tuple(value.values)
-        return (value,) * len(self._devices) if len(self._devices) == 1 else None
+        return (value,) if len(self._devices) == 1 else None
 
     def _wrap(self, components, mirrored: bool):
         if len(self._devices) == 1:
@@ -315,6 +315,7 @@ class ShardRouting:
         # Per local replica: {group: [positions]} in variable order, last layer first
         # so that the first fused bucket is ready first in the backward pass.
         plan = [dict() for _ in range(n_local)]
+        sparse = []  # replicated weights' IndexedSlices: gathered, kept sparse
         routed = self._routed_set()
         components = []
         for k, (grad, var) in enumerate(grads_and_vars):
@@ -328,7 +329,8 @@ class ShardRouting:
                 routed.add(id(var))
                 groups = var.layout.shard_owner_groups()
             elif all(isinstance(c, tf.IndexedSlices) for c in parts):
-                continue  # gathered below, kept sparse
+                sparse.append(k)
+                continue
             for i in range(n_local):
                 index = self.mesh_device_index(i)
                 if isinstance(var, ShardedVariable):
@@ -336,14 +338,12 @@ class ShardRouting:
                 else:
                     group = everyone
                 plan[i].setdefault(tuple(group), []).append(k)
-        planned = {k for p in plan for positions in p.values() for k in positions}
         reduced = [[None] * n_local for _ in grads_and_vars]
         for i in range(n_local):
             index = self.mesh_device_index(i)
             with tf.device(self._devices[i]):
-                for k in range(len(grads_and_vars)):
-                    if k not in planned:  # a replicated weight's sparse gradient
-                        reduced[k][i] = self._gather_slices(components[k][i], index, everyone)
+                for k in sparse:
+                    reduced[k][i] = self._gather_slices(components[k][i], index, everyone)
                 for group, positions in plan[i].items():
                     positions = positions[::-1]
                     dense = [_dense(components[k][i]) for k in positions]

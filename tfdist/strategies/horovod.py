@@ -6,7 +6,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
-from tfdist.internal import keras_jit, loss_scale, optimizer_gradients
+from tfdist.internal import install_keras_hooks
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.mesh import Mesh
 from tfdist.runtime import MeshRuntime
@@ -93,9 +93,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
-        optimizer_gradients.install()
-        keras_jit.install()
-        loss_scale.install()
+        install_keras_hooks()
         super().__init__(HorovodExtended(self, hvd, device, mesh, backend))
         self.hvd = hvd
         self.mesh = mesh

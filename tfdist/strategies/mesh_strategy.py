@@ -7,7 +7,7 @@ from absl import logging
 
 from tfdist.comm import fusion
 from tfdist.comm.tf_collectives import TFCollectiveBackend
-from tfdist.internal import keras_jit, loss_scale, optimizer_gradients
+from tfdist.internal import install_keras_hooks
 from tfdist.internal.mesh_extended import MeshExtended
 from tfdist.mesh import Mesh
 from tfdist.runtime import MeshRuntime
@@ -114,9 +114,7 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         devices = resolve_devices(mesh, devices)
         backend = TFCollectiveBackend(devices, timeout_seconds=collective_timeout,
                                       bucket_bytes=bucket_bytes)
-        optimizer_gradients.install()
-        keras_jit.install()
-        loss_scale.install()
+        install_keras_hooks()
         super().__init__(MeshExtended(self, mesh, devices, backend))
         self.mesh = mesh
         self._backend = backend
