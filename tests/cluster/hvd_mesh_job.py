@@ -46,6 +46,9 @@ if "token_mlp" in models:
 if "plain_embedding" in models:
     print(f"rank {rank} plain_embedding {mesh}: {job_cases.plain_embedding(strategy)}", flush=True)
 
+if "keras_options" in models:
+    print(f"rank {rank} keras_options {mesh}: {job_cases.keras_options(strategy)}", flush=True)
+
 if "xc_head" in models:
     print(f"rank {rank} xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 

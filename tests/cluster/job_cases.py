@@ -36,6 +36,18 @@ def plain_embedding(strategy):
         batch_size=16, steps=10, rtol=1e-5)
 
 
+def keras_options(strategy):
+    """Keras's conditional updates together: accumulation, EMA overwrite, decay, clipping."""
+    x, y = make_copy_task(10 * 16)
+    return assert_equivalent(
+        build_token_mlp, strategy, x, y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=lambda: keras.optimizers.SGD(
+            0.5, momentum=0.9, weight_decay=0.01, global_clipnorm=0.1,
+            gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=3),
+        batch_size=16, steps=10, rtol=1e-5)
+
+
 def xc_head(strategy, num_classes=1001):
     """ShardedSoftmax with label smoothing, C not divisible by the shards."""
     rng = np.random.default_rng(0)

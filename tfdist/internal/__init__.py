@@ -12,6 +12,8 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `averaging_extended`: local SGD with periodic model averaging (BMUF).
 - `optimizer_gradients`: the Keras TF optimizer hook where gradients meet
   their variables before any reduction.
+- `optimizer_apply`: Keras's updates inside a cond (gradient accumulation,
+  EMA overwrite) run in cross-replica context.
 - `multi_worker_reduce`: Keras 3 `fit` under MultiWorkerMirroredStrategy (keras#20585).
 - `keras_predict`: recognising Keras's predict step.
 - `keras_fit`: the epoch Keras's `fit` starts from.
@@ -25,7 +27,7 @@ def install_keras_hooks() -> None:
     Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
     every tfdist mesh strategy calls this when it is created.
     """
-    from tfdist.internal import keras_jit, loss_scale, optimizer_gradients
+    from tfdist.internal import keras_jit, loss_scale, optimizer_apply, optimizer_gradients
 
-    for hook in (optimizer_gradients, keras_jit, loss_scale):
+    for hook in (optimizer_gradients, optimizer_apply, keras_jit, loss_scale):
         hook.install()

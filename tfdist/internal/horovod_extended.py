@@ -69,9 +69,6 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     def mesh_device_index(self, local_replica: int) -> int:
         return self.hvd.rank() + local_replica
 
-    def _use_merge_call(self):
-        return True
-
     # -- variables: rank 0's initial values everywhere --------------------------
 
     _sharded_variable_class = HorovodShardedVariable

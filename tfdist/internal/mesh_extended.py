@@ -26,6 +26,8 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
    the same graph raises rather than training wrong.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
@@ -193,6 +195,47 @@ class ShardRouting:
     def _init_routing(self):
         self._routed_graph = None
         self._routed = set()
+        self._direct = False
+
+    # -- cross-replica updates (tfdist.internal.optimizer_apply) -------------
+
+    def _use_merge_call(self):
+        # Inside `direct_updates` Keras's `maybe_merge_call(fn, strategy)` must
+        # call `fn` directly: the caller is already in cross-replica context.
+        return not self._direct
+
+    @contextlib.contextmanager
+    def direct_updates(self, variables):
+        """Cross-replica updates of `variables` from gradients routed in this graph.
+
+        For updates Keras makes inside a cond (`tfdist.internal.optimizer_apply`):
+        the cond's branch is a graph of its own, so the variables whose
+        gradients `reduce_gradients` routed outside it are marked routed in it.
+        """
+        self._routed_set().update(id(v) for v in variables if isinstance(v, ShardedVariable))
+        previous, self._direct = self._direct, True
+        try:
+            yield
+        finally:
+            self._direct = previous
+
+    def map_components(self, fn, *values, like):
+        """`fn` of the values' per-replica components, distributed like variable `like`."""
+        parts = [self._components(v) for v in values]
+        out = []
+        for i in range(len(self._devices)):
+            with tf.device(self._devices[i]):
+                out.append(fn(*(p[i] for p in parts)))
+        return self._wrap(out, mirrored=not isinstance(like, ShardedVariable))
+
+    def clip(self, clipping, grads, variables):
+        """Reduced, distributed gradients (as `reduce_gradients` returns them), clipped."""
+        if not clipping.active:
+            return list(grads)
+        reduced = [list(self._components(g)) for g in grads]
+        self._clip(clipping, reduced, variables)
+        return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))
+                for r, v in zip(reduced, variables)]
 
     def mesh_device_index(self, local_replica: int) -> int:
         """The mesh device index of this process's replica `local_replica`."""
@@ -417,9 +460,6 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         self._init_routing()
 
     # -- execution ---------------------------------------------------------
-
-    def _use_merge_call(self):
-        return True
 
     def _call_for_each_replica(self, fn, args, kwargs):
         # After a trace that failed part-way, the devices' collective keys must

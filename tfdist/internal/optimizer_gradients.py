@@ -69,19 +69,6 @@ def _all_reduce_sum_gradients(self, grads_and_vars):
 def _refuse_unsupported(optimizer, variables) -> None:
     """One clear error for the options tfdist cannot yet train exactly, before any step runs."""
     strategy = optimizer._distribution_strategy
-    if optimizer.gradient_accumulation_steps:
-        raise ValueError(
-            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} is not "
-            f"supported under {strategy!r} yet: Keras applies the accumulated gradients "
-            f"inside a tf.cond, where their reduction over replicas cannot run. Use a "
-            f"global batch {optimizer.gradient_accumulation_steps}x larger instead.")
-    if optimizer.use_ema and optimizer.ema_overwrite_frequency:
-        raise ValueError(
-            f"use_ema=True with ema_overwrite_frequency={optimizer.ema_overwrite_frequency} "
-            f"is not supported under {strategy!r} yet: Keras overwrites the weights inside a "
-            f"tf.cond, where a strategy cannot update them. Use ema_overwrite_frequency=None "
-            f"and copy the averages at the end (the optimizer's "
-            f"finalize_variable_values(model.trainable_variables)).")
     sharded = [v.name for v in variables if getattr(v, "layout", None) is not None]
     per_weight_norms = {"Lamb": "its trust ratio is the norm of each whole weight",
                         "Adafactor": "it factors the second moments over each whole weight"}
@@ -92,12 +79,6 @@ def _refuse_unsupported(optimizer, variables) -> None:
             f"{per_weight_norms[kind]}, and a replica holds a shard (sharded weights "
             f"{sharded[:3]}). Use it on a mesh whose layout shards no weight, or another "
             f"optimizer (Adam, AdamW, Lion, SGD... train exactly).")
-    if optimizer.use_ema and sharded:
-        raise ValueError(
-            f"use_ema=True is not supported for sharded weights under {strategy!r} yet "
-            f"(Keras assigns the moving averages with the global shape, a replica holds a "
-            f"shard): sharded weights {sharded[:3]}. Keep EMA for meshes whose layout "
-            f"shards no weight, or drop use_ema.")
 
 
 def install() -> None:
