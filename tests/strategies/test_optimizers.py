@@ -14,6 +14,7 @@ OPTIMIZERS = {
     "sgd_momentum_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
     "lion": lambda: keras.optimizers.Lion(0.001),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "nadam": lambda: keras.optimizers.Nadam(0.01),
@@ -69,13 +70,15 @@ def test_the_conditional_options_change_one_devices_training(name):
     assert max(max_rel_diff(a, b) for a, b in zip(with_option, without)) > 1e-2
 
 
-@pytest.mark.parametrize("optimizer", ["Lamb", "Adafactor"])
-def test_optimizers_with_per_weight_norms_are_refused_on_shards(optimizer):
+def test_adafactor_is_refused_on_shards():
     x, y = make_copy_task(2 * BATCH)
     strategy = MeshStrategy("data:2;model:2", LAYOUT)
     with strategy.scope():
         model = build_token_mlp()
-        model.compile(getattr(keras.optimizers, optimizer)(0.01),
+        model.compile(keras.optimizers.Adafactor(0.01),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with pytest.raises(ValueError, match=rf"{optimizer} is not supported for sharded weights"):
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"Adafactor is not supported for sharded weights"):
         model.fit(x, y, batch_size=BATCH, verbose=0)
+    for a, b in zip(model.get_weights(), before):
+        assert (a == b).all()  # nothing trained

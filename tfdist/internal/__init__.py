@@ -14,6 +14,7 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
   their variables before any reduction.
 - `optimizer_apply`: Keras's updates inside a cond (gradient accumulation,
   EMA overwrite) run in cross-replica context.
+- `keras_lamb`: Lamb's trust ratio from the norms of whole sharded weights.
 - `multi_worker_reduce`: Keras 3 `fit` under MultiWorkerMirroredStrategy (keras#20585).
 - `keras_predict`: recognising Keras's predict step.
 - `keras_fit`: the epoch Keras's `fit` starts from.
@@ -27,7 +28,8 @@ def install_keras_hooks() -> None:
     Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
     every tfdist mesh strategy calls this when it is created.
     """
-    from tfdist.internal import keras_jit, loss_scale, optimizer_apply, optimizer_gradients
+    from tfdist.internal import (keras_jit, keras_lamb, loss_scale, optimizer_apply,
+                                 optimizer_gradients)
 
-    for hook in (optimizer_gradients, optimizer_apply, keras_jit, loss_scale):
+    for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale):
         hook.install()

@@ -228,6 +228,24 @@ class ShardRouting:
                 out.append(fn(*(p[i] for p in parts)))
         return self._wrap(out, mirrored=not isinstance(like, ShardedVariable))
 
+    def global_sum_of_squares(self, shard, var):
+        """The sum of squares of the global tensor `shard` is this update's shard of.
+
+        For an optimizer's update of sharded variable `var`, on the device being
+        updated (`extended.update`): every shard is held by the same number of
+        replicas, so the sum over all replicas divided by that number is the
+        sum over the distinct shards. One collective per call; every device
+        calls it in the same order, as the update runs variable by variable.
+        """
+        i = distribute_lib.get_update_replica_id()
+        if i is None:
+            raise ValueError(f"global_sum_of_squares({var.name!r}) outside an update.")
+        owners = len(var.layout.shard_owner_groups()[0])
+        local = tf.reduce_sum(tf.square(tf.cast(shard, tf.float32))) / owners
+        total = self.backend.all_reduce(tf.reshape(local, [1]), self.mesh_device_index(i),
+                                        tuple(range(self.mesh.size)))
+        return tf.cast(tf.reshape(total, []), shard.dtype)
+
     def clip(self, clipping, grads, variables):
         """Reduced, distributed gradients (as `reduce_gradients` returns them), clipped."""
         if not clipping.active:

@@ -70,15 +70,13 @@ def _refuse_unsupported(optimizer, variables) -> None:
     """One clear error for the options tfdist cannot yet train exactly, before any step runs."""
     strategy = optimizer._distribution_strategy
     sharded = [v.name for v in variables if getattr(v, "layout", None) is not None]
-    per_weight_norms = {"Lamb": "its trust ratio is the norm of each whole weight",
-                        "Adafactor": "it factors the second moments over each whole weight"}
-    kind = type(optimizer).__name__
-    if kind in per_weight_norms and sharded:
+    if type(optimizer).__name__ == "Adafactor" and sharded:
         raise ValueError(
-            f"{kind} is not supported for sharded weights under {strategy!r} yet: "
-            f"{per_weight_norms[kind]}, and a replica holds a shard (sharded weights "
-            f"{sharded[:3]}). Use it on a mesh whose layout shards no weight, or another "
-            f"optimizer (Adam, AdamW, Lion, SGD... train exactly).")
+            f"Adafactor is not supported for sharded weights under {strategy!r}: it "
+            f"factors the second moments over each whole weight, and a replica holds a "
+            f"shard (sharded weights {sharded[:3]}). Use it on a mesh whose layout shards "
+            f"no weight, or another optimizer (Adam, AdamW, Lamb, Lion, SGD... train "
+            f"exactly).")
 
 
 def install() -> None:
