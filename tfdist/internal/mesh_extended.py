@@ -160,14 +160,20 @@ def split_global(layout: TensorLayout, value):
     return [value[layout.shard_slices(i)] for i in range(layout.mesh_shape.size)]
 
 
-def _dense(value):
-    """A gradient as a dense tensor (an `IndexedSlices` is scattered into zeros).
+def _dense(value, var, i):
+    """A gradient as a dense tensor of component `i` of `var`'s static shape.
 
-    Only for gradients that are summed: a sharded weight's, whose shard is
-    computed densely by tfdist's layers; a replicated weight's sparse
-    gradient is gathered instead (`ShardRouting._gather_slices`).
+    An `IndexedSlices` is scattered into zeros: only for gradients that are
+    summed, a sharded weight's, whose shard is computed densely by tfdist's
+    layers (a replicated weight's sparse gradient is gathered instead,
+    `ShardRouting._gather_slices`). TF loses static shapes on some gradient
+    paths (a `Tensordot` of a partly unknown input); fusion needs them.
     """
-    return tf.convert_to_tensor(value)
+    value = tf.convert_to_tensor(value)
+    shape = (var.values[i] if isinstance(var, values.DistributedValues) else var).shape
+    if not value.shape.is_fully_defined():
+        value = tf.ensure_shape(value, shape)
+    return value
 
 
 class ShardRouting:
@@ -407,7 +413,8 @@ class ShardRouting:
                     reduced[k][i] = self._gather_slices(components[k][i], index, everyone)
                 for group, positions in plan[i].items():
                     positions = positions[::-1]
-                    dense = [_dense(components[k][i]) for k in positions]
+                    dense = [_dense(components[k][i], grads_and_vars[k][1], i)
+                             for k in positions]
                     for k, r in zip(positions, self.backend.batch_all_reduce(dense, index, group)):
                         reduced[k][i] = r
         if clipping is not None and clipping.active:
