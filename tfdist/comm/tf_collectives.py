@@ -122,29 +122,29 @@ class TFCollectiveBackend:
         with tf.device(self.devices[replica]):  # also the identity: no copy to device 0
             if len(group) == 1:
                 return tf.identity(x)
-            return tf.raw_ops.CollectiveReduceV2(
+            return _in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveReduceV2(
                 input=x,
                 merge_op=merge_op,
                 final_op="Id",
                 max_subdivs_per_device=self.ring_subdivisions,
                 **self._common(replica, group),
-            )
+            ))
 
     def all_gather(self, x, replica: int, group: Group):
         """Concatenation along dimension 0 of `x` from each device of `group`."""
         with tf.device(self.devices[replica]):
             if len(group) == 1:
                 return tf.identity(x)
-            return tf.raw_ops.CollectiveGatherV2(input=x, **self._common(replica, group))
+            return _in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveGatherV2(
+                input=x, **self._common(replica, group)))
 
     def all_to_all(self, x, replica: int, group: Group):
         """Splits dimension 0 into `len(group)` parts, part j to device j."""
         with tf.device(self.devices[replica]):
             if len(group) == 1:
                 return tf.identity(x)
-            return tf.raw_ops.CollectiveAllToAllV2(
-                input=x, **self._common(replica, group)
-            )
+            return _in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveAllToAllV2(
+                input=x, **self._common(replica, group)))
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
         """Sums over `group`, one collective per fused bucket (see `tfdist.comm.fusion`)."""
@@ -153,3 +153,16 @@ class TFCollectiveBackend:
                 return [tf.identity(t) for t in tensors]
             return fusion.fused(lambda flat: self.all_reduce(flat, replica, group),
                                 tensors, self.bucket_bytes)
+
+
+def _in_supported_dtype(x, collective):
+    """`collective(x)`; bfloat16, which TF's collective ops do not take, travels as float32.
+
+    Exact for gathers and all-to-all; a sum is accumulated in float32 and
+    rounded once (one device, which sums nothing across devices, rounds each
+    partial product instead: within bfloat16's precision either way).
+    """
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.bfloat16:
+        return collective(x)
+    return tf.cast(collective(tf.cast(x, tf.float32)), tf.bfloat16)
