@@ -190,7 +190,8 @@ def main(argv):
           f"{device_bytes(model):,} bytes on device 0 of {4 * model.count_params():,} "
           f"(Adam's two slots follow the same layout)", flush=True)
 
-    backup = BackupAndRestore(os.path.join(model_dir, checkpoint.BACKUP_DIR))
+    backup = BackupAndRestore(os.path.join(model_dir, checkpoint.BACKUP_DIR),
+                              delete_checkpoint=False)  # translate.py reads the newest
     done = backup.latest_epoch() + 1  # resumed: continue the data where it stopped
     tokenize = "char" if config.corpus == "numbers-de" and not (config.train_src or
                                                                config.train_tsv) else "13a"

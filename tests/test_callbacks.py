@@ -52,7 +52,7 @@ def test_resume_after_interruption_equals_uninterrupted_run_on_another_mesh(tmp_
     assert sorted(os.listdir(tmp_path)) == ["epoch-2.npz"]  # older backups removed
 
     # Restart on another mesh: picks up after epoch 3 and ends where the uninterrupted run did.
-    backup = BackupAndRestore(str(tmp_path), delete_on_end=True)
+    backup = BackupAndRestore(str(tmp_path))  # Keras's default: deleted at the end
     second = _model(MeshStrategy("data:1;model:4", "batch:data;d_ff:model;vocab:model"))
     history = second.fit(x, y, batch_size=16, epochs=5, shuffle=False, verbose=0, callbacks=[backup])
     assert backup.restored_epoch == 2 and len(history.history["loss"]) == 2
@@ -95,3 +95,88 @@ def test_a_checkpoint_killed_while_being_written_leaves_the_previous_one(tmp_pat
     checkpoint.load(model, str(path))  # complete, not truncated
     value = model.weights[0].numpy().flat[0]
     assert value >= 1 and all((w.numpy() == value).all() for w in model.weights)
+
+
+class _InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt  # a kill in the middle of an epoch
+
+
+def _nmt(strategy):
+    from tfdist.models.transformer import SequenceCrossentropy, Transformer
+    from tfdist.models.transformer_layers import TransformerConfig
+
+    keras.utils.set_random_seed(0)
+    config = TransformerConfig(vocab_size=32, d_model=16, num_heads=4, d_kv=4, d_ff=32,
+                               num_encoder_layers=1, num_decoder_layers=1, max_length=16,
+                               dropout=0.3)
+    with strategy.scope():
+        model = Transformer(config, name="nmt")  # checkpoints key weights by path
+        model.compile(keras.optimizers.Adam(1e-2), SequenceCrossentropy(32, 0.0))
+    return model
+
+
+def _nmt_data(n):
+    rng = np.random.default_rng(0)
+    src = rng.integers(3, 32, size=(n, 8)).astype("int32")
+    tgt = np.roll(src, 1, axis=1)
+    return (src, np.concatenate([np.ones((n, 1), "int32"), tgt[:, :-1]], 1)), tgt
+
+
+def test_a_run_killed_mid_epoch_with_dropout_resumes_to_the_uninterrupted_weights(tmp_path):
+    mesh = lambda: MeshStrategy("data:2;model:2", "batch:data;heads:model;d_ff:model;vocab:model")
+    x, y = _nmt_data(5 * 8)
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    uninterrupted = _nmt(mesh())
+    uninterrupted.fit(x, y, **fit)
+
+    first = _nmt(mesh())
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(x, y, **fit, callbacks=[BackupAndRestore(str(tmp_path), save_freq=3),
+                                          _InterruptAt(1, 4)])
+    assert os.listdir(tmp_path) == ["epoch-1-batch-3.npz"]  # 3 batches of epoch 1 done
+    saved = checkpoint.NPZ.read(str(tmp_path / "epoch-1-batch-3.npz"))
+    assert sum(name.startswith("rng/") for name in saved) >= 3  # dropout generators
+
+    trained = []
+    backup = BackupAndRestore(str(tmp_path), save_freq=3)
+    resumed = _nmt(mesh())
+    resumed.fit(x, y, **fit, callbacks=[backup, _CountBatches(trained)])
+    assert backup.restored_position == (1, 3) and trained == [3, 4]  # skipped 0-2, no repeat
+    assert os.listdir(tmp_path) == []  # delete_checkpoint (Keras's default)
+    worst = max(np.max(np.abs(a - b)) for a, b in zip(resumed.get_weights(),
+                                                      uninterrupted.get_weights()))
+    assert worst < 1e-5
+
+    # The dropout masks matter: resumed from the same backup without its
+    # generator states, the run ends elsewhere.
+    checkpoint.NPZ.write({n: v for n, v in saved.items() if not n.startswith("rng/")},
+                         str(tmp_path / "epoch-1-batch-3.npz"))
+    other = _nmt(mesh())
+    other.fit(x, y, **fit, callbacks=[BackupAndRestore(str(tmp_path), save_freq=3)])
+    assert max(np.max(np.abs(a - b)) for a, b in zip(other.get_weights(),
+                                                     uninterrupted.get_weights())) > 1e-3
+
+
+class _CountBatches(keras.callbacks.Callback):
+    def __init__(self, trained):
+        super().__init__()
+        self.trained = trained
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs:  # a skipped batch reports no logs
+            self.trained.append(batch)
+
+
+def test_save_freq_is_epoch_or_a_positive_number_of_batches(tmp_path):
+    for bad in (0, -3, "batch", 2.5, True):
+        with pytest.raises(ValueError, match="save_freq must be 'epoch' or a positive integer"):
+            BackupAndRestore(str(tmp_path), save_freq=bad)

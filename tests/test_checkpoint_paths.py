@@ -68,6 +68,19 @@ def test_backups_are_named_by_epoch_the_newest_kept_and_found(tmp_path):
     assert backups.latest_epoch() == -1
 
 
+def test_mid_epoch_backups_are_positions_after_batches(tmp_path):
+    backups = checkpoint.Backups(str(tmp_path))
+    backups.save(_model(), 0)
+    assert backups.latest() == (1, 0)  # resume at epoch 1, batch 0
+    backups.save(_model(), 1, 3)
+    assert os.listdir(tmp_path) == ["epoch-1-batch-3.npz"] and backups.latest() == (1, 3)
+    assert backups.epochs() == {} and backups.latest_epoch() == -1  # no completed epoch kept
+    open(os.path.join(tmp_path, "epoch-x-batch-3.npz"), "w").close()  # not a backup
+    open(os.path.join(tmp_path, "epoch-1-batch-.npz"), "w").close()
+    assert list(backups.positions()) == [(1, 3)]
+    assert checkpoint.latest(os.path.dirname(str(tmp_path))) is None  # not a run directory
+
+
 def test_a_format_is_a_seam(tmp_path):
     class Recording(checkpoint.NpzFormat):
         suffix = ".rec"

@@ -3,7 +3,7 @@
 import keras
 
 from tfdist import checkpoint, runtime
-from tfdist.internal.keras_fit import set_initial_epoch
+from tfdist.internal.keras_fit import set_initial_epoch, skip_batches
 from tfdist.runtime import is_chief
 
 __all__ = ["BackupAndRestore", "is_chief", "on_chief"]
@@ -33,57 +33,90 @@ def on_chief(*callbacks, strategy=None):
 
 
 class BackupAndRestore(keras.callbacks.Callback):
-    """Resumes an interrupted `fit` where its last completed epoch left it.
+    """Resumes an interrupted `fit` exactly where its last backup left it.
 
-    At the end of every epoch the chief writes the global weights and the
-    optimizer state to `backup_dir/epoch-<n>.npz` (`tfdist.checkpoint.Backups`:
+    Keras's arguments and file-safety rules, on global tensors: the chief
+    writes the global weights, the optimizer state and the random-generator
+    states (dropout masks...) to `backup_dir` (`tfdist.checkpoint.Backups`:
     written under a temporary name, then renamed, so a file is complete or
-    absent) and then removes the older ones. At the start of `fit`, every
-    process loads the newest backup and `fit` continues from the next epoch,
-    so a run killed at any point and restarted ends with the weights of a run
-    that was never interrupted (the data must be the same each epoch, e.g.
-    `shuffle=False` or a seeded pipeline). Works under MeshStrategy (global
-    tensors: resume on another mesh), multi-worker strategies and
-    HorovodStrategy (every process gathers the global values, the chief
-    writes, all read; the directory must be shared).
+    absent) and then removes the older backups. At the start of `fit`, every
+    process loads the newest backup and `fit` continues from its position: the
+    next epoch, or, for a backup taken after `b` batches, batch `b` of that
+    epoch (its first `b` batches are consumed untrained; Keras's own callback
+    would train them again). A run killed at any point and restarted ends with
+    the weights of a run that was never interrupted, dropout included (the
+    data must be the same each epoch, e.g. `shuffle=False` or a seeded
+    pipeline). Works under MeshStrategy (global tensors: resume on another
+    mesh), multi-worker strategies and HorovodStrategy (every process gathers
+    the global values, the chief writes, all read; the directory must be shared).
 
     Args:
         backup_dir: where the backups live.
-        delete_on_end: remove the backups when `fit` completes.
+        save_freq: `"epoch"` (a backup after every epoch), or an integer `n`:
+            also one every `n` batches (at the end of the execution that
+            reaches them, with `steps_per_execution`).
+        delete_checkpoint: remove the backups when `fit` completes (Keras's
+            default).
     """
 
-    def __init__(self, backup_dir: str, delete_on_end: bool = False):
+    def __init__(self, backup_dir: str, save_freq="epoch", delete_checkpoint: bool = True):
         super().__init__()
+        if save_freq != "epoch" and (isinstance(save_freq, bool)
+                                     or not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(f"save_freq must be 'epoch' or a positive integer (batches); "
+                             f"received save_freq={save_freq!r}.")
         self.backup_dir = backup_dir
         self.backups = checkpoint.Backups(backup_dir)
-        self.delete_on_end = delete_on_end
-        self.restored_epoch = None
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.restored_epoch = None  # the last completed epoch of the backup resumed from
+        self.restored_position = None  # (epoch, batches done in it) resumed at
+        self._epoch = 0
+        self._last_saved_batch = 0
 
     def latest_epoch(self) -> int:
-        """The epoch (0-based) of the newest complete backup, or -1 if there is none.
+        """The epoch (0-based) of the newest end-of-epoch backup, or -1 if there is none.
 
-        `fit` resumes at `latest_epoch() + 1`; a repeated dataset can skip the
-        batches of the epochs already done so the run continues where it stopped.
+        A repeated dataset can skip the batches of the epochs already done so
+        the run continues where it stopped.
         """
         return self.backups.latest_epoch()
 
     def on_train_begin(self, logs=None):
-        epoch = self.backups.latest_epoch()
-        if epoch < 0:
+        position = self.backups.latest()
+        if position is None:
             return
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        path = self.backups.path(epoch)
+        path = self.backups.positions()[position]
         checkpoint.load(self.model, path)
-        set_initial_epoch(self.model, epoch + 1)
-        self.restored_epoch = epoch
-        print(f"tfdist: resumed from {path} (after epoch {epoch + 1})", flush=True)
+        epoch, batch = position
+        set_initial_epoch(self.model, epoch)
+        skip_batches(self.model, batch)
+        self.restored_position = position
+        self.restored_epoch = epoch - 1
+        self._last_saved_batch = batch
+        print(f"tfdist: resumed from {path} (epoch {epoch + 1}, batch {batch})", flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self._epoch:
+            self._last_saved_batch = 0
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        if self.save_freq == "epoch" or done <= self._last_saved_batch:
+            return  # (batches a resumed fit skipped are not trained again)
+        if done - self._last_saved_batch >= self.save_freq:
+            self.backups.save(self.model, self._epoch, done)
+            self._last_saved_batch = done
 
     def on_epoch_end(self, epoch, logs=None):
         self.backups.save(self.model, epoch)  # every process gathers, the chief writes
+        self._epoch, self._last_saved_batch = epoch + 1, 0
 
     def on_train_end(self, logs=None):
-        if self.delete_on_end:
+        if self.delete_checkpoint:
             self.backups.delete_all(self.model.distribute_strategy)

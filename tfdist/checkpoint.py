@@ -14,8 +14,11 @@ The rules, in one place:
 - **Writes are atomic**: a file is written under a temporary name in its
   directory, flushed, then renamed over the target, so an interrupted save
   leaves the previous checkpoint intact.
+- **What**: every weight, the optimizer's variables and the random-generator
+  states (`rng/<k>`), so that a resumed run draws the same dropout masks.
 - **Names**: a run directory holds `model.npz` (the final weights) and
-  `backup/epoch-<n>.npz` (`Backups`: one per completed epoch, newest kept);
+  `backup/epoch-<n>.npz` (`Backups`: after epoch n, or
+  `epoch-<n>-batch-<b>.npz` after b batches of epoch n; newest kept);
   `latest(model_dir)` finds the newest of them.
 - **Formats** sit behind `Format` (`write(arrays, path)`, `read(path)`);
   `NPZ` is the global format. A sharded format (each process writing its own
@@ -31,16 +34,18 @@ load(plain_keras_model, "run/model.npz")    # or onto another mesh
 
 import os
 import tempfile
-from typing import Dict, Optional, Protocol
+from typing import Dict, Optional, Protocol, Tuple
 
 import numpy as np
 
 from tfdist import runtime
 
 _OPTIMIZER = "optimizer/"
+_RNG = "rng/"
 FINAL = "model"
 BACKUP_DIR = "backup"
 BACKUP_PREFIX = "epoch-"
+_BATCH = "-batch-"
 
 
 class Format(Protocol):
@@ -83,8 +88,21 @@ class NpzFormat:
 NPZ = NpzFormat()
 
 
+def _seed_states(model):
+    """The model's random-generator states (Keras `SeedGenerator`s: dropout, noise...).
+
+    Keras names them `seed_generator_<k>` by a process-wide counter, so they are
+    keyed by their order in the model instead (the same for the same architecture).
+    """
+    weights = {id(v) for v in model.weights}
+    states = [v for v in getattr(model, "variables", ())
+              if id(v) not in weights and v.path.endswith("seed_generator_state")]
+    return {f"{_RNG}{k}": v for k, v in enumerate(states)}
+
+
 def _named_variables(model, with_optimizer: bool):
     named = {v.path: v for v in model.weights}
+    named.update(_seed_states(model))
     if with_optimizer and getattr(model, "optimizer", None) is not None:
         # Optimizer paths start with its uniquified name ("adam_3/..."): drop it.
         named.update(
@@ -138,6 +156,10 @@ def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> No
         raise FileNotFoundError(f"No checkpoint at {path!r}.")
     stored = fmt.read(path)
     named = _named_variables(model, with_optimizer)
+    if not any(name.startswith(_RNG) for name in stored):
+        # Weights saved without random-generator states (a plain model, an older
+        # file): the generators keep their current state.
+        named = {n: v for n, v in named.items() if not n.startswith(_RNG)}
     missing = sorted(set(named) - set(stored))
     if missing:
         raise ValueError(
@@ -156,7 +178,12 @@ def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> No
 
 
 class Backups:
-    """The per-epoch backups of a run: `directory/epoch-<n><suffix>`, complete or absent.
+    """The backups of a run, each complete or absent.
+
+    `directory/epoch-<n><suffix>` holds the state after epoch `n` (0-based);
+    `directory/epoch-<n>-batch-<b><suffix>` the state after `b` batches of
+    epoch `n`. A backup's *position* is where training resumes from it:
+    `(n + 1, 0)` and `(n, b)`.
 
     Args:
         directory: where the backups live.
@@ -167,39 +194,54 @@ class Backups:
         self.directory = directory
         self.fmt = fmt
 
-    def path(self, epoch: int) -> str:
-        return os.path.join(self.directory, f"{BACKUP_PREFIX}{epoch}{self.fmt.suffix}")
+    def path(self, epoch: int, batch: Optional[int] = None) -> str:
+        """The backup after epoch `epoch`, or after `batch` batches of it."""
+        stem = f"{BACKUP_PREFIX}{epoch}" + ("" if batch is None else f"{_BATCH}{batch}")
+        return os.path.join(self.directory, stem + self.fmt.suffix)
 
-    def epochs(self) -> Dict[int, str]:
-        """`{epoch: path}` of the complete backups (temporary files are not backups)."""
+    def positions(self) -> Dict[Tuple[int, int], str]:
+        """`{(epoch, batches done in it): path}` to resume from, of every complete backup."""
         if not os.path.isdir(self.directory):
             return {}
         found = {}
         for name in os.listdir(self.directory):
-            stem = name[len(BACKUP_PREFIX):-len(self.fmt.suffix)]
-            if name.startswith(BACKUP_PREFIX) and name.endswith(self.fmt.suffix) and stem.isdigit():
-                found[int(stem)] = os.path.join(self.directory, name)
+            if not (name.startswith(BACKUP_PREFIX) and name.endswith(self.fmt.suffix)):
+                continue
+            epoch, _, batch = name[len(BACKUP_PREFIX):-len(self.fmt.suffix)].partition(_BATCH)
+            if epoch.isdigit() and (batch.isdigit() or (not batch and _BATCH not in name)):
+                position = (int(epoch), int(batch)) if batch else (int(epoch) + 1, 0)
+                found[position] = os.path.join(self.directory, name)
         return found
 
+    def latest(self) -> Optional[Tuple[int, int]]:
+        """The newest backup's position `(epoch, batches done in it)`, or None."""
+        return max(self.positions(), default=None)
+
+    def epochs(self) -> Dict[int, str]:
+        """`{epoch: path}` of the backups taken at the end of an epoch."""
+        return {epoch - 1: path for (epoch, batch), path in self.positions().items()
+                if batch == 0}
+
     def latest_epoch(self) -> int:
-        """The newest complete backup's epoch (0-based), or -1 if there is none."""
+        """The newest completed epoch (0-based) with a backup, or -1 if there is none."""
         return max(self.epochs(), default=-1)
 
-    def save(self, model, epoch: int) -> None:
-        """Saves epoch `epoch` (every process gathers, the chief writes), then drops older ones.
+    def save(self, model, epoch: int, batch: Optional[int] = None) -> None:
+        """Saves after `epoch` (or `batch` batches of it): every process gathers, the chief writes.
 
-        The newer file is complete before the older ones go, so a kill at any
-        moment leaves a loadable backup.
+        Then drops the older backups; the newer file is complete before they
+        go, so a kill at any moment leaves a loadable backup.
         """
-        if save(model, self.path(epoch), fmt=self.fmt):
-            for old, path in self.epochs().items():
-                if old < epoch:
-                    os.unlink(path)
+        path = self.path(epoch, batch)
+        if save(model, path, fmt=self.fmt):
+            for old in self.positions().values():
+                if old != path:
+                    os.unlink(old)
 
     def delete_all(self, strategy=None) -> None:
         """Removes every backup (on the chief)."""
         if runtime.is_chief(strategy):
-            for path in self.epochs().values():
+            for path in self.positions().values():
                 os.unlink(path)
 
 
@@ -213,6 +255,6 @@ def latest(model_dir: str, fmt: Format = NPZ) -> Optional[str]:
     if os.path.exists(final_path(model_dir, fmt)):
         return final_path(model_dir, fmt)
     backups = Backups(os.path.join(model_dir, BACKUP_DIR), fmt)
-    epoch = backups.latest_epoch()
-    return backups.path(epoch) if epoch >= 0 else None
+    position = backups.latest()
+    return None if position is None else backups.positions()[position]
 

@@ -75,7 +75,7 @@ with strategy.scope():
     model.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 backup = os.environ.get("TFDIST_TEST_BACKUP_DIR") or tempfile.mkdtemp()
 model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-          callbacks=[BackupAndRestore(backup)])
+          callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
 weights = model.get_weights()  # all ranks: gathers the shards
 kernel = model.get_layer("ffn1_in").kernel
 local_shape = tuple(kernel.value.values[0].shape)
