@@ -7,6 +7,9 @@ internals it calls: `_accumulated_gradients`, `_get_variable_index`,
 `_apply_weight_decay`, `_backend_update_step`, `_model_variables_moving_average`,
 `_overwrite_model_variables_with_average_value`.
 
+It also applies the constraints of sharded weights, which tfdist keeps from
+Keras (`tfdist.layers.weights.add_sharded_weight`), to each shard.
+
 Keras applies `gradient_accumulation_steps` and `ema_overwrite_frequency`
 inside `ops.cond`, in each replica. A TF strategy updates a variable from a
 replica through a merge call, and a merge call cannot run inside a cond branch
@@ -48,8 +51,29 @@ def _routed(optimizer) -> bool:
 
 
 def _backend_apply_gradients(self, grads, trainable_variables):
-    if not _routed(self) or not (self.gradient_accumulation_steps or self.use_ema):
+    if not _routed(self):
         return _KERAS_APPLY(self, grads, trainable_variables)
+    if not (self.gradient_accumulation_steps or self.use_ema):
+        _KERAS_APPLY(self, grads, trainable_variables)
+    else:
+        _apply_in_cross_replica_context(self, grads, trainable_variables)
+    _apply_shard_constraints(self, trainable_variables)
+
+
+def _apply_shard_constraints(optimizer, trainable_variables):
+    """Constraints of sharded weights (`tfdist.layers.weights`), applied to each replica's shard.
+
+    Keras applies a variable's constraint with `keras.Variable.assign`, which
+    checks the global shape; tfdist keeps sharded weights' constraints from
+    Keras and assigns them here, to the shard, where they are exact.
+    """
+    for variable in trainable_variables:
+        constraint = getattr(variable, "_tfdist_constraint", None)
+        if constraint is not None:
+            optimizer.assign(variable, constraint(variable))
+
+
+def _apply_in_cross_replica_context(self, grads, trainable_variables):
     context = tf.distribute.get_replica_context()
     if self.gradient_accumulation_steps:
         context.merge_call(_accumulate_or_apply, args=(self, list(grads), list(trainable_variables)))

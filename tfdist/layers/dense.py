@@ -53,6 +53,10 @@ class ShardedDense(keras.layers.Layer):
             still split (batch gathered) for a following row-parallel layer.
         kernel_initializer: Keras initializer for the global kernel.
         bias_initializer: Keras initializer for the global bias.
+        kernel_regularizer, bias_regularizer: Keras regularizers (on a split
+            weight: `L1`, `L2`, `L1L2`, exact over the mesh).
+        kernel_constraint, bias_constraint: Keras constraints (on a split
+            weight: those exact on a shard, see `add_sharded_weight`).
 
     Input shape: `[batch, ..., d_in]` (or `[batch * M, ..., d_in / M]` when
     `input_sharded` and `in_axis` is split).
@@ -80,6 +84,10 @@ class ShardedDense(keras.layers.Layer):
         output_sharded=False,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -91,6 +99,10 @@ class ShardedDense(keras.layers.Layer):
         self.output_sharded = bool(output_sharded)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
 
@@ -102,6 +114,8 @@ class ShardedDense(keras.layers.Layer):
             (d_in, self.units),
             self.kernel_axes,
             initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
         )
         layout = self.weight_layouts["kernel"]
         self._in_axis = sharded_mesh_axis(layout, 0)
@@ -119,6 +133,8 @@ class ShardedDense(keras.layers.Layer):
                 (self.units,),
                 (self.kernel_axes[1],),
                 initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
             )
 
     def call(self, inputs):
@@ -173,5 +189,9 @@ class ShardedDense(keras.layers.Layer):
             output_sharded=self.output_sharded,
             kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
+            kernel_regularizer=keras.regularizers.serialize(self.kernel_regularizer),
+            bias_regularizer=keras.regularizers.serialize(self.bias_regularizer),
+            kernel_constraint=keras.constraints.serialize(self.kernel_constraint),
+            bias_constraint=keras.constraints.serialize(self.bias_constraint),
         )
         return config

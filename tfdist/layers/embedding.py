@@ -51,6 +51,8 @@ class ShardedEmbedding(keras.layers.Layer):
         embeddings_axes: logical axes of the table; the rules may split the
             first (vocabulary) one.
         embeddings_initializer: Keras initializer for the global table.
+        embeddings_regularizer, embeddings_constraint: Keras regularizer and
+            constraint (on a split table: see `add_sharded_weight`).
 
     Input shape: integer ids `[batch, ...]`.
     Output shape: `[batch, ..., output_dim]`.
@@ -69,6 +71,8 @@ class ShardedEmbedding(keras.layers.Layer):
         output_dim,
         embeddings_axes=("vocab", "d_model"),
         embeddings_initializer="uniform",
+        embeddings_regularizer=None,
+        embeddings_constraint=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -76,6 +80,8 @@ class ShardedEmbedding(keras.layers.Layer):
         self.output_dim = check_positive_int("output_dim", output_dim)
         self.embeddings_axes = check_axes("embeddings_axes", embeddings_axes, ("vocab", "d_model"))
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
+        self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
 
@@ -86,6 +92,8 @@ class ShardedEmbedding(keras.layers.Layer):
             (self.input_dim, self.output_dim),
             self.embeddings_axes,
             initializer=self.embeddings_initializer,
+            regularizer=self.embeddings_regularizer,
+            constraint=self.embeddings_constraint,
         )
         layout = self.weight_layouts["embeddings"]
         if sharded_mesh_axis(layout, 1) is not None:
@@ -121,5 +129,7 @@ class ShardedEmbedding(keras.layers.Layer):
             embeddings_initializer=keras.initializers.serialize(
                 self.embeddings_initializer
             ),
+            embeddings_regularizer=keras.regularizers.serialize(self.embeddings_regularizer),
+            embeddings_constraint=keras.constraints.serialize(self.embeddings_constraint),
         )
         return config

@@ -2,6 +2,7 @@
 
 from typing import Optional, Sequence
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -16,6 +17,8 @@ def add_sharded_weight(
     shape: Sequence[int],
     axes: Sequence[Optional[str]],
     pad: bool = False,
+    regularizer=None,
+    constraint=None,
     **kwargs,
 ):
     """`layer.add_weight` for a weight with logical `axes`.
@@ -31,6 +34,13 @@ def add_sharded_weight(
         axes: one logical axis name (or None) per dimension.
         pad: let split dimensions that do not divide by their mesh axis be
             padded (per `TensorLayout.padded_shape`); the layer masks padding.
+        regularizer: a Keras regularizer. On a sharded weight only sums over
+            elements (`L1`, `L2`, `L1L2`) are exact, scaled so that the
+            shards' penalties add up to the whole weight's (`ShardPenalty`).
+        constraint: a Keras constraint. On a sharded weight tfdist applies it
+            to each shard after every update (`tfdist.internal.optimizer_apply`):
+            only constraints exact on a shard are taken (`NonNeg`, and `MaxNorm`,
+            `MinMaxNorm`, `UnitNorm` whose norm axes are not split).
         **kwargs: passed to `layer.add_weight` (initializer, dtype, ...).
 
     Returns:
@@ -50,14 +60,84 @@ def add_sharded_weight(
         layer.weight_layouts = {}
     layer.weight_layouts[name] = layout
     if not layout.is_sharded:
-        return layer.add_weight(name=name, shape=tuple(shape), **kwargs)
+        return layer.add_weight(name=name, shape=tuple(shape), regularizer=regularizer,
+                                constraint=constraint, **kwargs)
+    what = f"Layer {layer.name!r} weight {name!r} ({layout})"
+    if regularizer is not None:
+        regularizer = ShardPenalty(regularizer, layout, what)
+    constraint = _shard_constraint(constraint, layout, what)
 
     def creator(next_creator, **creator_kwargs):
         creator_kwargs[LAYOUT_KWARG] = layout
         return next_creator(**creator_kwargs)
 
     with tf.variable_creator_scope(creator):
-        return layer.add_weight(name=name, shape=tuple(shape), **kwargs)
+        variable = layer.add_weight(name=name, shape=tuple(shape), regularizer=regularizer,
+                                    **kwargs)
+    # Kept from Keras, whose `optimizer.apply` assigns `constraint(variable)`
+    # with the global shape; tfdist's optimizer hook applies it per shard.
+    variable._tfdist_constraint = constraint
+    return variable
+
+
+_SEPARABLE = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+
+
+class ShardPenalty(keras.regularizers.Regularizer):
+    """A sum-over-elements penalty on a sharded weight, exact over the mesh.
+
+    In a replica the weight reads as its shard. Keras adds each replica's
+    penalty to its loss and divides the loss by the replica count R; the S
+    distinct shards are each held by R / S replicas, so the penalty of a shard
+    times S sums, over all replicas, to the penalty of the whole weight, and so
+    do its gradients. Read globally (outside a replica) it is the penalty itself.
+    """
+
+    def __init__(self, regularizer, layout: TensorLayout, what: str = "a sharded weight"):
+        regularizer = keras.regularizers.get(regularizer)
+        if type(regularizer) not in _SEPARABLE:
+            raise ValueError(
+                f"{what}: regularizer {regularizer!r} is not supported on a sharded weight; "
+                f"a penalty on shards is exact only when it sums over elements "
+                f"(keras.regularizers.L1, L2, L1L2). Use one of those, or a layout that "
+                f"does not split this weight.")
+        self.regularizer = regularizer
+        self.layout = layout
+        self.shards = len(layout.shard_owner_groups())
+
+    def __call__(self, x):
+        penalty = self.regularizer(x)
+        ctx = tf.distribute.get_replica_context()
+        mesh_runtime = runtime.current_runtime()
+        if mesh_runtime is None or ctx is None or ctx.strategy is not mesh_runtime:
+            return penalty  # a global read
+        return penalty * self.shards
+
+    def get_config(self):
+        return keras.regularizers.serialize(self.regularizer)
+
+
+def _shard_constraint(constraint, layout: TensorLayout, what: str):
+    """`constraint`, if applying it to each shard of `layout` is exact; else raises."""
+    if constraint is None:
+        return None
+    constraint = keras.constraints.get(constraint)
+    if type(constraint) is keras.constraints.NonNeg:
+        return constraint
+    if type(constraint) in (keras.constraints.MaxNorm, keras.constraints.MinMaxNorm,
+                            keras.constraints.UnitNorm):
+        rank = len(layout.shape)
+        axes = constraint.axis if isinstance(constraint.axis, (list, tuple)) else [constraint.axis]
+        split = [a % rank for a in axes if sharded_mesh_axis(layout, a % rank)]
+        if not split:
+            return constraint
+        reason = f"its norms run over dimension {split[0]}, which is split"
+    else:
+        reason = "tfdist applies constraints shard by shard and cannot tell whether it is exact"
+    raise ValueError(
+        f"{what}: constraint {constraint!r} is not supported on a sharded weight: {reason}. "
+        f"Exact on shards: NonNeg, and MaxNorm/MinMaxNorm/UnitNorm over dimensions the "
+        f"layout does not split.")
 
 
 def check_mesh(layer) -> None:

@@ -8,6 +8,7 @@ single-device Keras model every sharded path is compared against.
 import keras
 
 from tfdist.layers import MoE, ShardedDense, ShardedEmbedding, ShardedSoftmax
+from tfdist.layers.attention import ShardedAttention
 from tfdist.testing.moe_reference import ReferenceMoE
 
 
@@ -22,14 +23,18 @@ class ReferenceEmbedding(keras.layers.Layer):
     update, which is what ShardedEmbedding trains with.
     """
 
-    def __init__(self, input_dim, output_dim, **kwargs):
+    def __init__(self, input_dim, output_dim, embeddings_regularizer=None,
+                 embeddings_constraint=None, **kwargs):
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
+        self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
+        self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
 
     def build(self, input_shape=None):
         self.embeddings = self.add_weight(
-            name="embeddings", shape=(self.input_dim, self.output_dim)
+            name="embeddings", shape=(self.input_dim, self.output_dim),
+            regularizer=self.embeddings_regularizer, constraint=self.embeddings_constraint,
         )
 
     def call(self, ids):
@@ -41,8 +46,50 @@ class ReferenceEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(input_dim=self.input_dim, output_dim=self.output_dim)
+        config.update(input_dim=self.input_dim, output_dim=self.output_dim,
+                      embeddings_regularizer=keras.regularizers.serialize(
+                          self.embeddings_regularizer),
+                      embeddings_constraint=keras.constraints.serialize(
+                          self.embeddings_constraint))
         return config
+
+
+@keras.saving.register_keras_serializable(package="tfdist_testing")
+class ReferenceAttention(keras.layers.Layer):
+    """Keras's own `MultiHeadAttention` behind ShardedAttention's call signature.
+
+    The single-device twin of `ShardedAttention` that shares no code with it:
+    Keras's projections (`EinsumDense`, no biases), scaling, masked softmax and
+    causal mask. Its four kernels have ShardedAttention's shapes and order
+    (query, key, value `[d_model, heads, d_kv]`, output `[heads, d_kv, d_model]`).
+    """
+
+    def __init__(self, num_heads, d_kv, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads, self.d_kv = num_heads, d_kv
+        self.attention = keras.layers.MultiHeadAttention(num_heads, key_dim=d_kv,
+                                                         use_bias=False, name="mha")
+
+    def build(self, query_shape, memory_shape=None):
+        memory_shape = query_shape if memory_shape is None else memory_shape
+        self.attention.build(query_shape, memory_shape)
+
+    def call(self, query, memory=None, key_mask=None, causal=False, training=None):
+        memory = query if memory is None else memory
+        mask = None
+        if key_mask is not None:  # [b, Lk] -> [b, Lq, Lk]
+            mask = keras.ops.cast(key_mask, "bool")[:, None, :]
+            mask = keras.ops.broadcast_to(
+                mask, (keras.ops.shape(query)[0], keras.ops.shape(query)[1],
+                       keras.ops.shape(memory)[1]))
+        return self.attention(query, memory, attention_mask=mask, use_causal_mask=causal,
+                              training=training)
+
+    def compute_output_shape(self, query_shape, memory_shape=None):
+        return tuple(query_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads, "d_kv": self.d_kv}
 
 
 def reference_layer(layer):
@@ -52,12 +99,24 @@ def reference_layer(layer):
             layer.units,
             activation=layer.activation,
             use_bias=layer.use_bias,
+            kernel_regularizer=layer.kernel_regularizer,
+            bias_regularizer=layer.bias_regularizer,
+            kernel_constraint=layer.kernel_constraint,
+            bias_constraint=layer.bias_constraint,
             name=layer.name,
         )
     if isinstance(layer, ShardedSoftmax):
         return keras.layers.Dense(layer.num_classes, use_bias=layer.use_bias, name=layer.name)
     if isinstance(layer, ShardedEmbedding):
-        return ReferenceEmbedding(layer.input_dim, layer.output_dim, name=layer.name)
+        return ReferenceEmbedding(layer.input_dim, layer.output_dim,
+                                  embeddings_regularizer=layer.embeddings_regularizer,
+                                  embeddings_constraint=layer.embeddings_constraint,
+                                  name=layer.name)
+    if isinstance(layer, ShardedAttention):
+        if layer.dropout:
+            raise ValueError(f"The attention reference has no dropout; layer {layer.name!r} "
+                             f"has dropout={layer.dropout}.")
+        return ReferenceAttention(layer.num_heads, layer.d_kv, name=layer.name)
     if isinstance(layer, MoE):
         if layer.second_expert_policy != "all" or layer.router_jitter or layer.dropout:
             raise ValueError(
