@@ -49,6 +49,9 @@ if "plain_embedding" in models:
 if "keras_options" in models:
     print(f"rank {rank} keras_options {mesh}: {job_cases.keras_options(strategy)}", flush=True)
 
+if "mixed_bfloat16" in models:
+    print(f"rank {rank} mixed_bfloat16 {mesh}: {job_cases.mixed_bfloat16(strategy)}", flush=True)
+
 if "xc_head" in models:
     print(f"rank {rank} xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 

@@ -48,6 +48,35 @@ def keras_options(strategy):
         batch_size=16, steps=10, rtol=1e-5)
 
 
+def mixed_bfloat16(strategy):
+    """The token model under mixed_bfloat16 against the single-device mixed-precision one.
+
+    Returns the weights' relative L2 error after 10 Adam steps (bfloat16 rounds
+    every partial sum: see tests/strategies/test_fit_options.py), asserted < 2e-2.
+    """
+    from tfdist.testing.reference import reference_model
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        x, y = make_copy_task(10 * 16)
+        keras.utils.set_random_seed(0)
+        reference = reference_model(build_token_mlp())
+        with strategy.scope():
+            model = build_token_mlp()
+            model.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.set_weights(reference.get_weights())
+        reference.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        a = np.concatenate([w.ravel() for w in model.get_weights()])
+        b = np.concatenate([w.ravel() for w in reference.get_weights()])
+        error = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert error < 2e-2, error
+    return f"weights after 10 steps {error:.1e} (relative L2)"
+
+
 def xc_head(strategy, num_classes=1001):
     """ShardedSoftmax with label smoothing, C not divisible by the shards."""
     rng = np.random.default_rng(0)

@@ -49,3 +49,18 @@ class Backend(Protocol):
         packs the tensors into buckets (tensor fusion) so that a model with
         many small weights costs a few large transfers.
         """
+
+
+def in_supported_dtype(x, collective):
+    """`collective(x)`; bfloat16, which neither TF's collective ops nor Horovod take, as float32.
+
+    Exact for gathers and all-to-all; a sum is accumulated in float32 and
+    rounded once (one device, which sums nothing across devices, rounds each
+    partial product instead: within bfloat16's precision either way).
+    """
+    import tensorflow as tf
+
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.bfloat16:
+        return collective(x)
+    return tf.cast(collective(tf.cast(x, tf.float32)), tf.bfloat16)

@@ -18,7 +18,7 @@ from typing import Dict
 
 import tensorflow as tf
 
-from tfdist.comm.base import Group
+from tfdist.comm.base import Group, in_supported_dtype
 from tfdist.mesh import Mesh
 
 
@@ -110,20 +110,22 @@ class HorovodBackend:
         if len(group) == 1:
             return tf.identity(x)
         op = {"Add": self.hvd.Sum, "Max": self.hvd.Max, "Min": self.hvd.Min}[merge_op]
-        return self.hvd.allreduce(x, op=op, process_set=self._set(group),
-                                  name=self._name("allreduce"))
+        return in_supported_dtype(x, lambda x: self.hvd.allreduce(
+            x, op=op, process_set=self._set(group), name=self._name("allreduce")))
 
     def all_gather(self, x, replica: int, group: Group):
         """Concatenation along dimension 0 of `x` from each rank of `group`, in rank order."""
         if len(group) == 1:
             return tf.identity(x)
-        return self.hvd.allgather(x, process_set=self._set(group), name=self._name("allgather"))
+        return in_supported_dtype(x, lambda x: self.hvd.allgather(
+            x, process_set=self._set(group), name=self._name("allgather")))
 
     def all_to_all(self, x, replica: int, group: Group):
         """Splits dimension 0 into `len(group)` parts, part j to the j-th rank of `group`."""
         if len(group) == 1:
             return tf.identity(x)
-        return self.hvd.alltoall(x, process_set=self._set(group), name=self._name("alltoall"))
+        return in_supported_dtype(x, lambda x: self.hvd.alltoall(
+            x, process_set=self._set(group), name=self._name("alltoall")))
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
         """Sums over `group` with one `hvd.grouped_allreduce` (Horovod fuses the tensors)."""
@@ -132,6 +134,9 @@ class HorovodBackend:
             return [tf.identity(t) for t in tensors]
         op = self.hvd.Adasum if self.adasum and len(group) == self.hvd.size() else self.hvd.Sum
         compression = self.compression or self.hvd.Compression.none
-        return self.hvd.grouped_allreduce(tensors, op=op, compression=compression,
-                                          process_set=self._set(group),
-                                          name=self._name("grads"))
+        dtypes = [t.dtype for t in tensors]
+        tensors = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t for t in tensors]
+        reduced = self.hvd.grouped_allreduce(tensors, op=op, compression=compression,
+                                             process_set=self._set(group),
+                                             name=self._name("grads"))
+        return [tf.cast(r, d) if d == tf.bfloat16 else r for r, d in zip(reduced, dtypes)]

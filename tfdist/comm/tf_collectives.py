@@ -12,7 +12,7 @@ from typing import Sequence, Tuple
 import tensorflow as tf
 
 from tfdist.comm import fusion
-from tfdist.comm.base import Group
+from tfdist.comm.base import Group, in_supported_dtype
 
 
 class TFCollectiveBackend:
@@ -122,7 +122,7 @@ class TFCollectiveBackend:
         with tf.device(self.devices[replica]):  # also the identity: no copy to device 0
             if len(group) == 1:
                 return tf.identity(x)
-            return _in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveReduceV2(
+            return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveReduceV2(
                 input=x,
                 merge_op=merge_op,
                 final_op="Id",
@@ -135,7 +135,7 @@ class TFCollectiveBackend:
         with tf.device(self.devices[replica]):
             if len(group) == 1:
                 return tf.identity(x)
-            return _in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveGatherV2(
+            return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveGatherV2(
                 input=x, **self._common(replica, group)))
 
     def all_to_all(self, x, replica: int, group: Group):
@@ -143,7 +143,7 @@ class TFCollectiveBackend:
         with tf.device(self.devices[replica]):
             if len(group) == 1:
                 return tf.identity(x)
-            return _in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveAllToAllV2(
+            return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveAllToAllV2(
                 input=x, **self._common(replica, group)))
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
@@ -153,16 +153,3 @@ class TFCollectiveBackend:
                 return [tf.identity(t) for t in tensors]
             return fusion.fused(lambda flat: self.all_reduce(flat, replica, group),
                                 tensors, self.bucket_bytes)
-
-
-def _in_supported_dtype(x, collective):
-    """`collective(x)`; bfloat16, which TF's collective ops do not take, travels as float32.
-
-    Exact for gathers and all-to-all; a sum is accumulated in float32 and
-    rounded once (one device, which sums nothing across devices, rounds each
-    partial product instead: within bfloat16's precision either way).
-    """
-    x = tf.convert_to_tensor(x)
-    if x.dtype != tf.bfloat16:
-        return collective(x)
-    return tf.cast(collective(tf.cast(x, tf.float32)), tf.bfloat16)
