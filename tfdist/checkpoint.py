@@ -14,8 +14,10 @@ The rules, in one place:
 - **Writes are atomic**: a file is written under a temporary name in its
   directory, flushed, then renamed over the target, so an interrupted save
   leaves the previous checkpoint intact.
-- **What**: every weight, the optimizer's variables and the random-generator
-  states (`rng/<k>`), so that a resumed run draws the same dropout masks.
+- **What**: every weight, the optimizer's variables, the random-generator
+  states (`rng/<k>`), so that a resumed run draws the same dropout masks, and
+  a strategy's own state (`strategy/...`, `StrategyState`: model averaging's
+  counters and replica copies).
 - **Names**: a run directory holds `model.npz` (the final weights) and
   `backup/epoch-<n>.npz` (`Backups`: after epoch n, or
   `epoch-<n>-batch-<b>.npz` after b batches of epoch n; newest kept);
@@ -34,7 +36,7 @@ load(plain_keras_model, "run/model.npz")    # or onto another mesh
 
 import os
 import tempfile
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -42,10 +44,22 @@ from tfdist import runtime
 
 _OPTIMIZER = "optimizer/"
 _RNG = "rng/"
+_STRATEGY = "strategy/"
 FINAL = "model"
 BACKUP_DIR = "backup"
 BACKUP_PREFIX = "epoch-"
 _BATCH = "-batch-"
+
+
+@runtime_checkable
+class StrategyState(Protocol):
+    """A strategy with training state of its own (model averaging: counters, copies)."""
+
+    def checkpoint_state(self) -> Dict[str, np.ndarray]:
+        """Its state as arrays (every process calls it)."""
+
+    def restore_checkpoint_state(self, arrays: Dict[str, np.ndarray]) -> None:
+        """Restores what `checkpoint_state` returned."""
 
 
 class Format(Protocol):
@@ -117,7 +131,12 @@ def global_arrays(model, with_optimizer: bool = True) -> dict:
     Under a `HorovodStrategy` with a mesh this all-gathers the shards: every
     rank calls it together (`save` does).
     """
-    return {name: np.asarray(v.numpy()) for name, v in _named_variables(model, with_optimizer).items()}
+    arrays = {name: np.asarray(v.numpy())
+              for name, v in _named_variables(model, with_optimizer).items()}
+    strategy = getattr(model, "distribute_strategy", None)
+    if with_optimizer and isinstance(strategy, StrategyState):
+        arrays.update({_STRATEGY + k: v for k, v in strategy.checkpoint_state().items()})
+    return arrays
 
 
 def save(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> bool:
@@ -175,6 +194,10 @@ def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> No
         raise ValueError(f"Checkpoint {path!r} has other shapes: {wrong}.")
     for name, v in named.items():
         v.assign(stored[name])
+    strategy = getattr(model, "distribute_strategy", None)
+    if with_optimizer and isinstance(strategy, StrategyState):
+        strategy.restore_checkpoint_state(
+            {k[len(_STRATEGY):]: v for k, v in stored.items() if k.startswith(_STRATEGY)})
 
 
 class Backups:

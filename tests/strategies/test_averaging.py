@@ -103,3 +103,54 @@ def test_communicated_bytes_metric_and_errors():
         with pytest.raises(ValueError) as e:
             ModelAveragingStrategy(num_replicas=2, **kwargs)
         assert fragment in str(e.value)
+
+
+class _StopAt(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt
+
+
+def test_a_resumed_run_continues_mid_period_exactly(tmp_path):
+    """Epochs of 4 steps, averaging every 5 (BMUF): backups and the end fall between averagings."""
+    from tfdist import checkpoint
+    from tfdist.callbacks import BackupAndRestore
+
+    x, y = _data(4)
+
+    def train(callbacks=()):
+        strategy = ModelAveragingStrategy(period=5, num_replicas=2, block_momentum=0.5,
+                                          block_lr=0.8)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(  # named: checkpoints key weights by path
+                [keras.Input((D,)), keras.layers.Dense(16, activation="tanh", name="hidden"),
+                 keras.layers.Dense(2, name="out")], name="mlp")
+            model.compile(keras.optimizers.Adam(0.01), "mse")
+        model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=list(callbacks))
+        return model
+
+    uninterrupted = train()
+    with pytest.raises(KeyboardInterrupt):
+        train([BackupAndRestore(str(tmp_path)), _StopAt(2)])
+    backup = str(tmp_path / "epoch-1.npz")
+    saved = checkpoint.NPZ.read(backup)
+    assert any(name.startswith("strategy/0/") for name in saved)
+    # Without the strategy's state (replica copies, counters, BMUF) the run ends elsewhere.
+    other = tmp_path / "without"
+    checkpoint.NPZ.write({n: v for n, v in saved.items() if not n.startswith("strategy/")},
+                         str(other / "epoch-1.npz"))
+    elsewhere = train([BackupAndRestore(str(other))])
+    assert max(np.abs(a.numpy() - b.numpy()).max() for a, b in
+               zip(elsewhere.trainable_weights, uninterrupted.trainable_weights)) > 1e-4
+    resumed = train([BackupAndRestore(str(tmp_path))])
+    for a, b in zip(resumed.trainable_weights, uninterrupted.trainable_weights):
+        copies, expected = _copies(a), _copies(b)
+        assert max(np.abs(c - copies[0]).max() for c in copies) > 0  # mid-period: they differ
+        for c, e in zip(copies, expected):
+            np.testing.assert_allclose(c, e, rtol=1e-6, atol=1e-7)

@@ -42,6 +42,8 @@ class AveragingExtended(mirrored_strategy.MirroredExtended):
         self.block_lr = block_lr
         self._slots = {}  # id(primary) -> [slot variables]
         self._state = {}  # id(var) -> (counter, global copy, momentum)
+        self._averaged = []  # the variables of `_state`, in the order their state was made
+        self._pending = {}  # restored state for variables whose state is not made yet
         self.averaged_bytes = 0  # bytes of every variable averaged, for the metric
 
     def _use_merge_call(self):
@@ -102,11 +104,70 @@ class AveragingExtended(mirrored_strategy.MirroredExtended):
                     momentum = tf.Variable(tf.zeros_like(var.values[0]), trainable=False,
                                            name="tfdist_bmuf_delta")
             self._state[id(var)] = (counter, global_copy, momentum)
+            self._averaged.append(var)
+            k = len(self._averaged) - 1
+            if k in self._pending:
+                self._restore(k, self._pending.pop(k))
             self.averaged_bytes += var.values[0].shape.num_elements() * var.dtype.size
             if self.average_slots:
                 for slot in self._slots.get(id(var), []):
                     self.averaged_bytes += slot.values[0].shape.num_elements() * slot.dtype.size
         return self._state[id(var)]
+
+    # -- checkpoints: counters, BMUF state and every replica's copy ----------
+
+    def _copies(self, var):
+        """The variables whose per-replica copies differ between averagings: var and its slots."""
+        return [var] + (self._slots.get(id(var), []) if self.average_slots else [])
+
+    def state_arrays(self) -> dict:
+        """`{name: array}`: per averaged weight, its counter, BMUF state and replica copies.
+
+        Between averagings the replicas' copies differ, and a global read sees
+        replica 0's only; a resumed run needs all of them to continue exactly.
+        Named by the order the weights were first updated (the optimizer's).
+        """
+        arrays = {}
+        for k, var in enumerate(self._averaged):
+            counter, global_copy, momentum = self._state[id(var)]
+            arrays[f"{k}/counter"] = counter.numpy()
+            if global_copy is not None:
+                arrays[f"{k}/global"] = global_copy.numpy()
+                arrays[f"{k}/delta"] = momentum.numpy()
+            for j, v in enumerate(self._copies(var)):
+                for i, c in enumerate(v.values):
+                    arrays[f"{k}/{j}/{i}"] = c.numpy()
+        return arrays
+
+    def restore_state(self, arrays: dict) -> None:
+        """Restores `state_arrays()`; weights not updated yet get theirs when first updated."""
+        by_weight = {}
+        for name, value in arrays.items():
+            k, rest = name.split("/", 1)
+            by_weight.setdefault(int(k), {})[rest] = value
+        self._pending = {}
+        for k, values_k in by_weight.items():
+            if k < len(self._averaged):
+                self._restore(k, values_k)
+            else:
+                self._pending[k] = values_k
+
+    def _restore(self, k, arrays):
+        var = self._averaged[k]
+        counter, global_copy, momentum = self._state[id(var)]
+        assignments = [(counter, arrays["counter"])]
+        if global_copy is not None:
+            assignments += [(global_copy, arrays["global"]), (momentum, arrays["delta"])]
+        for j, v in enumerate(self._copies(var)):
+            assignments += [(c, arrays[f"{j}/{i}"]) for i, c in enumerate(v.values)]
+        with tf.init_scope():
+            for target, value in assignments:
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(
+                        f"Averaging state {k} of the checkpoint has shape {value.shape} for "
+                        f"{target.name!r} of shape {tuple(target.shape)}: it was saved from "
+                        f"another model or optimizer.")
+                target.assign(value)
 
     def _mean(self, var):
         n = len(self._devices)

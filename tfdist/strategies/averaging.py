@@ -23,7 +23,9 @@ class ModelAveragingStrategy(tf.distribute.Strategy):
 
     Between averagings the replicas differ: `get_weights`, saving and
     `evaluate` see replica 0's copy. Call `average_now()` (or end training on
-    a multiple of `period`) before saving to get the averaged model.
+    a multiple of `period`) before saving to get the averaged model. tfdist's
+    checkpoints (`BackupAndRestore`) also hold every replica's copy, the
+    counters and the BMUF state, so a resumed run continues exactly.
 
     Args:
         period: K, optimizer steps between averagings.
@@ -79,6 +81,13 @@ class ModelAveragingStrategy(tf.distribute.Strategy):
                 mean = sum(v.read_value() for v in var.values) / n
                 for v in var.values:
                     v.assign(mean)
+
+    def checkpoint_state(self):
+        """The averaging counters, BMUF state and replica copies (`tfdist.checkpoint` saves them)."""
+        return self.extended.state_arrays()
+
+    def restore_checkpoint_state(self, arrays) -> None:
+        self.extended.restore_state(arrays)
 
     def bytes_per_step(self) -> float:
         """Bytes each replica sends per optimizer step (ring all-reduce)."""
