@@ -1,5 +1,7 @@
 """The NMT Transformer: sharded (1x2, 2x2, MoE) equals one device; cached decoding."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -7,6 +9,8 @@ import tensorflow as tf
 
 from tfdist.models import decoding
 from tfdist.models.transformer import (
+    BOS_ID,
+    EOS_ID,
     InverseSqrtSchedule,
     SequenceCrossentropy,
     Transformer,
@@ -103,9 +107,16 @@ def test_xla_decoding_equals_graph_decoding_and_beam_1_equals_greedy():
     graph = model.translate(src, beam_size=4, max_length=10, jit_compile=False).numpy()
     xla = model.translate(src, beam_size=4, max_length=10, jit_compile=True).numpy()
     np.testing.assert_array_equal(graph, xla)
-    np.testing.assert_array_equal(model.translate(src, beam_size=1, max_length=10).numpy(),
-                                  model.translate(src, beam_size=1, max_length=10,
-                                                  jit_compile=False).numpy())
+    greedy = model.translate(src, beam_size=1, max_length=10).numpy()  # greedy_search
+    np.testing.assert_array_equal(greedy, model.translate(src, beam_size=1, max_length=10,
+                                                          jit_compile=False).numpy())
+    # The other code path: beam_search itself with one beam and no length penalty.
+    memory = model.memory_cache(*model.encode(tf.constant(src), training=False))
+    step = functools.partial(model.decode_step, memory=memory)
+    batch = src.shape[0]
+    ids, _ = decoding.beam_search(step, tf.fill([batch], BOS_ID),
+                                  model.initial_cache(batch, 10), 1, 10, EOS_ID, alpha=0.0)
+    np.testing.assert_array_equal(ids[:, 0].numpy(), greedy)
 
 
 def test_beam_search_with_the_encoder_part_repeated_once_equals_reordering_it_every_step():
