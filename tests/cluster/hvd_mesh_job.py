@@ -49,6 +49,10 @@ if "plain_embedding" in models:
 if "keras_options" in models:
     print(f"rank {rank} keras_options {mesh}: {job_cases.keras_options(strategy)}", flush=True)
 
+for case in ("sharded_options", "fit_options"):
+    if case in models:
+        print(f"rank {rank} {case} {mesh}: {getattr(job_cases, case)(strategy)}", flush=True)
+
 if "mixed_bfloat16" in models:
     print(f"rank {rank} mixed_bfloat16 {mesh}: {job_cases.mixed_bfloat16(strategy)}", flush=True)
 

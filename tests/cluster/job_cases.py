@@ -48,6 +48,57 @@ def keras_options(strategy):
         batch_size=16, steps=10, rtol=1e-5)
 
 
+def sharded_options(strategy):
+    """Lamb, L1/L2 penalties and per-shard constraints on sharded weights."""
+    from tfdist.layers import ShardedDense, ShardedEmbedding
+
+    R, C = keras.regularizers, keras.constraints
+
+    def build():
+        ids = keras.Input((4,), dtype="int32")
+        h = ShardedEmbedding(16, 8, embeddings_regularizer=R.L2(1e-2), name="embed")(ids)
+        f = ShardedDense(32, ("d_model", "d_ff"), activation="relu", output_sharded=True,
+                         kernel_regularizer=R.L1L2(1e-3, 1e-2),
+                         kernel_constraint=C.MaxNorm(0.3, axis=0), name="ffn_in")(h)
+        h = h + ShardedDense(8, ("d_ff", "d_model"), input_sharded=True,
+                             kernel_constraint=C.NonNeg(), name="ffn_out")(f)
+        return keras.Model(ids, ShardedDense(16, ("d_model", "vocab"), name="logits")(h))
+
+    x, y = make_copy_task(10 * 16)
+    return assert_equivalent(
+        build, strategy, x, y, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=lambda: keras.optimizers.Lamb(0.01), batch_size=16, steps=10, rtol=1e-5)
+
+
+def fit_options(strategy):
+    """sample_weight, validation_data and steps_per_execution: one device's history and weights."""
+    from tfdist.testing.equivalence import max_rel_diff
+    from tfdist.testing.reference import reference_model
+
+    x, y = make_copy_task(8 * 16)
+    vx, vy = make_copy_task(2 * 16, seed=5)
+    weights = np.random.default_rng(1).uniform(0.0, 2.0, size=y.shape).astype("float32")
+    keras.utils.set_random_seed(0)
+    reference = reference_model(build_token_mlp())
+    with strategy.scope():
+        model = build_token_mlp()
+        model.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["sparse_categorical_accuracy"], steps_per_execution=3)
+    model.set_weights(reference.get_weights())
+    reference.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["sparse_categorical_accuracy"], steps_per_execution=3)
+    args = dict(sample_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                validation_data=(vx, vy))
+    history, ref_history = model.fit(x, y, **args).history, reference.fit(x, y, **args).history
+    assert sorted(history) == sorted(ref_history), (history, ref_history)
+    worst_history = max(max_rel_diff(history[k], ref_history[k]) for k in ref_history)
+    worst_weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(),
+                                                           reference.get_weights()))
+    assert max(worst_history, worst_weights) < 1e-5, (worst_history, worst_weights)
+    return (f"history ({', '.join(sorted(ref_history))}) {worst_history:.1e}, "
+            f"weights after 16 steps {worst_weights:.1e}")
+
+
 def mixed_bfloat16(strategy):
     """The token model under mixed_bfloat16 against the single-device mixed-precision one.
 

@@ -41,6 +41,8 @@ print(f"xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 print(f"plain_embedding {mesh}: {job_cases.plain_embedding(strategy)}", flush=True)
 print(f"keras_options {mesh}: {job_cases.keras_options(strategy)}", flush=True)
 print(f"mixed_bfloat16 {mesh}: {job_cases.mixed_bfloat16(strategy)}", flush=True)
+print(f"sharded_options {mesh}: {job_cases.sharded_options(strategy)}", flush=True)
+print(f"fit_options {mesh}: {job_cases.fit_options(strategy)}", flush=True)
 
 # Model averaging over the same devices (one copy per device, all processes):
 # period 1 with SGD is synchronous SGD.

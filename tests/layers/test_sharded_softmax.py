@@ -247,3 +247,24 @@ def test_sampling_applies_to_training_with_labels_only():
     assert ShardedSoftmax.from_config(head.get_config()).sample_rate == 0.1
     with pytest.raises(ValueError, match=r"`sample_rate` must be in \(0, 1\]. Received: sample_rate=0"):
         ShardedSoftmax(num_classes, sample_rate=0)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored", "averaging"])
+def test_the_sharded_loss_under_other_strategies_matches_one_device(strategy_name):
+    """Outside a tfdist mesh the head is one dense softmax and its loss Keras's reduction."""
+    from tfdist.strategies import get_strategy
+
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    # MirroredStrategy through one device: TF's collectives would share instance keys
+    # with any other MirroredStrategy of this test process.
+    strategy = (tf.distribute.MirroredStrategy(cpus, tf.distribute.ReductionToOneDevice())
+                if strategy_name == "mirrored"
+                else get_strategy("averaging", period=1, devices=cpus))
+    x, y = _data(1001, 8 * BATCH)
+    report = assert_equivalent(
+        _builder(1001), strategy, x, y,
+        loss=ShardedSparseCategoricalCrossentropy(1001, label_smoothing=0.1),
+        reference_loss=SmoothedSparseCrossentropy(1001, label_smoothing=0.1),
+        optimizer=lambda: keras.optimizers.SGD(0.5), batch_size=BATCH, steps=8,
+        compare_outputs=False, rtol=1e-5)
+    print(f"XC loss under {strategy_name}: {report}")
