@@ -70,3 +70,28 @@ def test_the_masks_change_the_output():
     changed = model.predict([later, memory, x_mask, memory_mask], verbose=0)
     np.testing.assert_allclose(changed[:, 0], base[:, 0], rtol=1e-5, atol=1e-6)
     assert np.max(np.abs(changed[:, 1:] - base[:, 1:])) > 1e-2
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("mesh", [None, "data:1;model:2"])
+def test_masks_stay_finite_in_float16(mesh, mixed_float16):
+    """-1e9 is -inf in float16: a fully masked row must stay finite (uniform), not NaN."""
+    (x, memory, x_mask, memory_mask), y = _data(4 * B)
+    memory_mask[0] = 0.0  # a row whose memory keys are all padding
+    x_mask[1] = 0.0
+    strategy = MeshStrategy(mesh, LAYOUT) if mesh else None
+    keras.utils.set_random_seed(0)
+    with (strategy.scope() if strategy else keras.name_scope("one_device")):
+        model = _model()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    assert model.get_layer("self").compute_dtype == "float16"
+    out = model.predict((x, memory, x_mask, memory_mask), batch_size=B, verbose=0)
+    assert np.isfinite(out).all()
+    model.fit((x, memory, x_mask, memory_mask), y, batch_size=B, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())

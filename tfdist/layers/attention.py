@@ -112,10 +112,12 @@ class ShardedAttention(keras.layers.Layer):
 
     def attend(self, q, k, v, bias=None, training=None):
         """Softmax attention of `q` over `k`/`v`, then the output projection: `[b, Lq, d]`."""
-        logits = tf.einsum("bhqk,bhlk->bhql", q, k)
+        # Masks are added in float32: -1e9 is -inf in float16, and a row whose
+        # keys are all masked would then be NaN instead of uniform.
+        logits = tf.cast(tf.einsum("bhqk,bhlk->bhql", q, k), "float32")
         if bias is not None:
-            logits = logits + tf.cast(bias, logits.dtype)
-        probs = tf.nn.softmax(tf.cast(logits, "float32"), axis=-1)
+            logits = logits + tf.cast(bias, "float32")
+        probs = tf.nn.softmax(logits, axis=-1)
         if training and self.dropout:
             probs = keras.random.dropout(probs, self.dropout, seed=self.seed_generator)
         context = tf.einsum("bhql,bhlk->bhqk", tf.cast(probs, v.dtype), v)
