@@ -132,9 +132,9 @@ def _nmt_data(n):
 
 
 def test_a_run_killed_mid_epoch_with_dropout_resumes_to_the_uninterrupted_weights(tmp_path):
-    mesh = lambda: MeshStrategy("data:2;model:2", "batch:data;heads:model;d_ff:model;vocab:model")
-    x, y = _nmt_data(5 * 8)
-    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    mesh = lambda: MeshStrategy("data:2;model:1", "batch:data;heads:model;d_ff:model;vocab:model")
+    x, y = _nmt_data(5 * 4)
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
     uninterrupted = _nmt(mesh())
     uninterrupted.fit(x, y, **fit)
 

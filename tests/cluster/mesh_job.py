@@ -1,9 +1,10 @@
 """A job for tests/cluster: equivalence of a mesh over worker processes.
 
 Run in every task (python -m tfdist.launch ... -- tests/cluster/mesh_job.py
-MESH); the controller builds MeshStrategy(MESH) over the devices of all tasks,
+MESH [CASES]); the controller builds MeshStrategy(MESH) over the devices of all tasks,
 trains the token MLP (ShardedDense, ShardedEmbedding) and the XC head against
-their single-device references and prints one report line per model. With
+their single-device references, then the `job_cases` named in CASES
+(comma-separated), and prints one report line per case. With
 --steps_forever it trains until killed (for the fault tests).
 """
 
@@ -39,10 +40,8 @@ if "--steps_forever" in sys.argv:
 print(f"token_mlp {mesh}: {job_cases.token_mlp(strategy)}", flush=True)
 print(f"xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 print(f"plain_embedding {mesh}: {job_cases.plain_embedding(strategy)}", flush=True)
-print(f"keras_options {mesh}: {job_cases.keras_options(strategy)}", flush=True)
-print(f"mixed_bfloat16 {mesh}: {job_cases.mixed_bfloat16(strategy)}", flush=True)
-print(f"sharded_options {mesh}: {job_cases.sharded_options(strategy)}", flush=True)
-print(f"fit_options {mesh}: {job_cases.fit_options(strategy)}", flush=True)
+for case in sys.argv[2].split(",") if len(sys.argv) > 2 else []:  # more job_cases by name
+    print(f"{case} {mesh}: {getattr(job_cases, case)(strategy)}", flush=True)
 
 # Model averaging over the same devices (one copy per device, all processes):
 # period 1 with SGD is synchronous SGD.

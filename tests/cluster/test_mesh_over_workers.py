@@ -23,15 +23,16 @@ def launch(*args, timeout=300):
 
 
 
-@pytest.mark.parametrize("workers, devices, mesh", [(2, 1, "data:1;model:2"),
-                                                    (2, 2, "data:2;model:2")])
-def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh):
+@pytest.mark.parametrize("workers, devices, mesh, cases", [
+    (2, 1, "data:1;model:2", "mixed_bfloat16"),
+    (2, 2, "data:2;model:2", "keras_options,mixed_bfloat16,sharded_options,fit_options"),
+])
+def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh, cases):
     result = launch("--num_workers", str(workers), "--devices_per_worker", str(devices), "--",
-                    JOB, mesh)
+                    JOB, mesh, cases)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "'/job:worker/replica:0/task:0', '/job:worker/replica:0/task:1'" in result.stdout
-    for name in ("token_mlp", "xc_head", "plain_embedding", "keras_options", "mixed_bfloat16",
-                 "sharded_options", "fit_options"):
+    for name in ("token_mlp", "xc_head", "plain_embedding", *cases.split(",")):
         line = next(l for l in result.stdout.splitlines() if f"] {name} {mesh}:" in l)
         print(line)
         assert "weights after 1" in line  # the job's assertions passed

@@ -165,7 +165,7 @@ def _place_rows(x, axis):
                       tf.zeros([(size - 1 - index) * b], x.dtype)], axis=0)
 
 
-def sample_classes(all_labels, offset, local, num_classes, sample_rate):
+def sample_classes(all_labels, offset, local, num_classes, sample_rate, seed=None):
     """Partial FC class-centre sampling on one shard of `local` columns.
 
     Args:
@@ -174,6 +174,8 @@ def sample_classes(all_labels, offset, local, num_classes, sample_rate):
         local: columns per shard, C_l (the last shard may hold padding).
         num_classes: the global C.
         sample_rate: fraction of the shard's real classes to keep.
+        seed: a stateless seed (int32 `[2]`) for the negatives; None: TF's
+            global generator.
 
     Returns:
         int32 column indices, sorted: every positive class (a label of
@@ -187,7 +189,9 @@ def sample_classes(all_labels, offset, local, num_classes, sample_rate):
     num_real = tf.reduce_sum(tf.cast(real, "int32"))
     keep = tf.cast(tf.math.ceil(sample_rate * tf.cast(num_real, "float32")), "int32")
     keep = tf.minimum(tf.maximum(keep, tf.reduce_sum(tf.cast(positive, "int32"))), num_real)
-    score = tf.where(positive, 2.0, tf.where(real, tf.random.uniform([local]), -1.0))
+    uniform = (tf.random.uniform([local]) if seed is None
+               else tf.random.stateless_uniform([local], seed=seed))
+    score = tf.where(positive, 2.0, tf.where(real, uniform, -1.0))
     _, ids = tf.math.top_k(score, k=keep)
     return tf.sort(ids)
 
@@ -239,6 +243,8 @@ class ShardedSoftmax(keras.layers.Layer):
             `loss=None`). 1.0 (default) computes every class. Evaluation and
             prediction (`training=False` or no labels) always use every class.
         label_smoothing: epsilon of the sampled training loss.
+        seed: seed of the sampling's `keras.random.SeedGenerator` (its state is
+            in the layer's variables: checkpoints restore it).
 
     Example:
 
@@ -255,7 +261,8 @@ class ShardedSoftmax(keras.layers.Layer):
 
     def __init__(self, num_classes, kernel_axes=("d_model", "classes"), use_bias=True,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 tied_embedding=None, sample_rate=1.0, label_smoothing=0.0, **kwargs):
+                 tied_embedding=None, sample_rate=1.0, label_smoothing=0.0, seed=None,
+                 **kwargs):
         super().__init__(**kwargs)
         if tied_embedding is not None and tied_embedding.input_dim != num_classes:
             raise ValueError(
@@ -274,6 +281,9 @@ class ShardedSoftmax(keras.layers.Layer):
             raise ValueError(f"`sample_rate` must be in (0, 1]. Received: sample_rate={sample_rate!r}")
         self.sample_rate = float(sample_rate)
         self.label_smoothing = float(label_smoothing)
+        self.seed = seed
+        # Partial FC's negatives: a Keras generator, so checkpoints restore it.
+        self.seed_generator = keras.random.SeedGenerator(seed)
         self.use_bias = bool(use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -326,8 +336,11 @@ class ShardedSoftmax(keras.layers.Layer):
         local = kernel.shape[-1]
         labels = tf.cast(tf.reshape(labels, [-1]), "int32")
         all_labels = collectives.all_gather(labels, self._axis)
-        offset = collectives.axis_index(self._axis) * local
-        ids = sample_classes(all_labels, offset, local, self.num_classes, self.sample_rate)
+        shard = collectives.axis_index(self._axis)
+        offset = shard * local
+        # One draw per step from the layer's generator, made distinct per shard.
+        seed = tf.cast(self.seed_generator.next(), "int32") + tf.stack([0, tf.cast(shard, "int32")])
+        ids = sample_classes(all_labels, offset, local, self.num_classes, self.sample_rate, seed)
         # Gathered on axis 1 so their gradients are dense (non-lazy Adam).
         logits = tf.matmul(x, tf.gather(kernel, ids, axis=1))  # [b*M, kept]
         if self.bias is not None:
@@ -352,6 +365,7 @@ class ShardedSoftmax(keras.layers.Layer):
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
             sample_rate=self.sample_rate,
             label_smoothing=self.label_smoothing,
+            seed=self.seed,
         )
         return config
 
