@@ -40,7 +40,7 @@ if "--steps_forever" in sys.argv:
 print(f"token_mlp {mesh}: {job_cases.token_mlp(strategy)}", flush=True)
 print(f"xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 print(f"plain_embedding {mesh}: {job_cases.plain_embedding(strategy)}", flush=True)
-for case in sys.argv[2].split(",") if len(sys.argv) > 2 else []:  # more job_cases by name
+for case in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else []):  # more cases
     print(f"{case} {mesh}: {getattr(job_cases, case)(strategy)}", flush=True)
 
 # Model averaging over the same devices (one copy per device, all processes):

@@ -148,8 +148,10 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
 
         def my_rows(*batch):
             def part(t):
-                rows = tf.shape(t)[0] // size
-                return t[rank * rows:(rank + 1) * rows]
+                # Balanced contiguous slices: a partial last batch is split too
+                # (ranks differ by at most one row) instead of losing its remainder.
+                n = tf.shape(t)[0]
+                return t[rank * n // size:(rank + 1) * n // size]
 
             out = tf.nest.map_structure(part, batch)
             return out if len(out) > 1 else out[0]
