@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	bash scripts/install_horovod.sh $(PY)  # the Horovod tests run in CI too
-	TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest -q -p no:cacheprovider -n 2
+	TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 bench: $(STAMP)
 	$(PY) bench/mesh_strategy.py

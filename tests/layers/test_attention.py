@@ -40,7 +40,7 @@ def _data(n, seed=0):
     return (x, memory, x_mask, memory_mask), y
 
 
-@pytest.mark.parametrize("mesh", ["data:1;model:2", "data:2;model:2", "data:1;model:4"])
+@pytest.mark.parametrize("mesh", ["data:1;model:4", "data:2;model:2"])
 def test_sharded_attention_matches_keras_multi_head_attention(mesh):
     x, y = _data(10 * B)
     report = assert_equivalent(_model, MeshStrategy(mesh, LAYOUT), x, y,

@@ -159,7 +159,7 @@ def mixed_bfloat16():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("mesh", ["data:1;model:2", "data:2;model:2"])
+@pytest.mark.parametrize("mesh", ["data:2;model:2"])  # 1x2: over ranks and workers
 def test_mixed_bfloat16_matches_the_single_device_mixed_precision_model(mesh, mixed_bfloat16):
     """bfloat16 rounds every partial sum: the measure is the weights' relative L2 error.
 
