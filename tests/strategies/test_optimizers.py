@@ -8,7 +8,7 @@ from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import assert_equivalent, max_rel_diff
 
 LAYOUT = "batch:data;d_ff:model;vocab:model"
-STEPS, BATCH = 10, 16
+STEPS, BATCH = 6, 16  # accumulation (3) and EMA overwrite (3) act twice
 
 OPTIMIZERS = {
     "sgd_momentum_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
