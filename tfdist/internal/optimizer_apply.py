@@ -39,15 +39,10 @@ import tensorflow as tf
 from keras.src import ops
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
-from tfdist import runtime
 from tfdist.clipping import Clipping
+from tfdist.internal.optimizer_gradients import _routed
 
 _KERAS_APPLY = tf_optimizer.TFOptimizer._backend_apply_gradients
-
-
-def _routed(optimizer) -> bool:
-    return (runtime.current_runtime(optimizer._distribution_strategy) is not None
-            and tf.distribute.get_replica_context() is not None)
 
 
 def _backend_apply_gradients(self, grads, trainable_variables):
