@@ -50,6 +50,15 @@ class Backend(Protocol):
         many small weights costs a few large transfers.
         """
 
+    def step_shapes(self, tensors):
+        """A context in which the collectives of one traced step are traced.
+
+        `tensors` are the step's inputs (every local replica's). Collectives
+        whose shapes are known only at run time must still pair up right at
+        every step, whatever shapes the inputs have: a backend whose instances
+        fix their shape (TF's) keys them by the inputs' run-time shapes.
+        """
+
 
 def in_supported_dtype(x, collective):
     """`collective(x)`; bfloat16, which neither TF's collective ops nor Horovod take, as float32.

@@ -5,6 +5,7 @@ of every task of a single-controller cluster (the ops of each device run on
 its task; tasks exchange data over gRPC, ring-style).
 """
 
+import contextlib
 import itertools
 import threading
 from typing import Sequence, Tuple
@@ -13,6 +14,9 @@ import tensorflow as tf
 
 from tfdist.comm import fusion
 from tfdist.comm.base import Group, in_supported_dtype
+from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES, ShapeIds, host_of
+
+_MAX_INSTANCE_KEY = (1 << 31) - 1  # instance keys are int32
 
 
 class TFCollectiveBackend:
@@ -21,7 +25,9 @@ class TFCollectiveBackend:
     Each device has an ordering token (a resource variable) so that the
     collectives of a device run in the order they were traced; without it,
     collectives on virtual CPUs hang. Group keys are unique per backend and
-    device group; instance keys are unique per logical collective.
+    device group; instance keys are unique per logical collective and, for a
+    collective whose shape is known only at run time, per shape of the step's
+    inputs (`step_shapes`, `tfdist.comm.shape_keys`).
 
     Args:
         devices: device strings, index `i` being mesh device `i`.
@@ -36,6 +42,8 @@ class TFCollectiveBackend:
             large chunks to keep both directions of a ring busy: 8 doubled the
             bytes/s of a 33.6 MB all-reduce between two processes here
             (bench/scaling.py). Ignored by NCCL.
+        max_shapes: distinct input shapes one traced step may meet (each
+            costs TF one record per collective whose shape varies).
 
     On GPUs the ops ask for NCCL (`communication_hint="nccl"`); elsewhere TF
     picks its ring implementation.
@@ -43,14 +51,17 @@ class TFCollectiveBackend:
 
     _key_lock = threading.Lock()
     _next_group_key = itertools.count(7001)
-    _next_instance_key = itertools.count(1 << 20)
+    _next_instance_base = 1 << 20
 
     def __init__(self, devices: Sequence[str], timeout_seconds: float = 0.0,
-                 bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES, ring_subdivisions: int = 8):
+                 bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES, ring_subdivisions: int = 8,
+                 max_shapes: int = DEFAULT_MAX_SHAPES):
         self.devices = tuple(devices)
         self.timeout_seconds = float(timeout_seconds)
         self.bucket_bytes = int(bucket_bytes)
         self.ring_subdivisions = int(ring_subdivisions)
+        self._shape_ids = ShapeIds(host_of(self.devices[0]), max_shapes)
+        self._shape_id = None  # the current step's shape id while its collectives are traced
         gpus = all("GPU" in d.upper().rsplit("/", 1)[-1] for d in self.devices)
         self.communication_hint = "nccl" if gpus else "auto"
         with tf.init_scope():
@@ -83,8 +94,40 @@ class TFCollectiveBackend:
             seq = self._sequence.get((group, replica), 0)
             self._sequence[(group, replica)] = seq + 1
             if (group, seq) not in self._instance_keys:
-                self._instance_keys[(group, seq)] = next(self._next_instance_key)
+                self._instance_keys[(group, seq)] = self._reserve_instance_keys()
             return group_key, self._instance_keys[(group, seq)]
+
+    def _reserve_instance_keys(self) -> int:
+        """The first of `max_shapes` consecutive fresh instance keys (caller holds the lock)."""
+        base = TFCollectiveBackend._next_instance_base
+        if base + self._shape_ids.max_shapes > _MAX_INSTANCE_KEY:
+            raise RuntimeError(
+                "tfdist has used up TensorFlow's int32 collective instance keys in this "
+                "process (too many traced collectives times max_shapes); use a smaller "
+                "max_shapes or fewer retraces.")
+        TFCollectiveBackend._next_instance_base = base + self._shape_ids.max_shapes
+        return base
+
+    @contextlib.contextmanager
+    def step_shapes(self, tensors):
+        """Collectives traced inside are keyed for the run-time shapes of `tensors`.
+
+        The strategy wraps each traced step (`_call_for_each_replica`) in this,
+        with every replica's input tensors: a collective whose input shape is not
+        static takes its key's slot for the step's shape id (see
+        `tfdist.comm.shape_keys`). Outside it, such a collective keeps one key
+        and must always see one shape.
+        """
+        tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
+        if tf.executing_eagerly() or not tensors or all(t.shape.is_fully_defined() for t in tensors):
+            yield
+            return
+        previous = self._shape_id
+        self._shape_id = self._shape_ids.shape_id(ShapeIds.new_trace(), tensors)
+        try:
+            yield
+        finally:
+            self._shape_id = previous
 
     def resync(self) -> None:
         """Puts every device of each group at the same next collective.
@@ -106,8 +149,10 @@ class TFCollectiveBackend:
                 for replica in group:
                     self._sequence[(group, replica)] = top[group]
 
-    def _common(self, replica, group):
+    def _common(self, replica, group, x):
         group_key, instance_key = self._keys(replica, group)
+        if self._shape_id is not None and not x.shape.is_fully_defined():
+            instance_key = tf.constant(instance_key, tf.int32) + self._shape_id
         return dict(
             group_size=len(group),
             group_key=group_key,
@@ -127,7 +172,7 @@ class TFCollectiveBackend:
                 merge_op=merge_op,
                 final_op="Id",
                 max_subdivs_per_device=self.ring_subdivisions,
-                **self._common(replica, group),
+                **self._common(replica, group, x),
             ))
 
     def all_gather(self, x, replica: int, group: Group):
@@ -136,7 +181,7 @@ class TFCollectiveBackend:
             if len(group) == 1:
                 return tf.identity(x)
             return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveGatherV2(
-                input=x, **self._common(replica, group)))
+                input=x, **self._common(replica, group, x)))
 
     def all_to_all(self, x, replica: int, group: Group):
         """Splits dimension 0 into `len(group)` parts, part j to device j."""
@@ -144,7 +189,7 @@ class TFCollectiveBackend:
             if len(group) == 1:
                 return tf.identity(x)
             return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveAllToAllV2(
-                input=x, **self._common(replica, group)))
+                input=x, **self._common(replica, group, x)))
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
         """Sums over `group`, one collective per fused bucket (see `tfdist.comm.fusion`)."""

@@ -16,7 +16,9 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
   EMA overwrite) run in cross-replica context.
 - `keras_lamb`: Lamb's trust ratio from the norms of whole sharded weights.
 - `multi_worker_reduce`: Keras 3 `fit` under MultiWorkerMirroredStrategy (keras#20585).
-- `keras_predict`: recognising Keras's predict step.
+- `keras_steps`: recognising Keras's train, test and predict steps.
+- `keras_rows`: Keras's losses and compiled metrics over the real rows of all replicas.
+- `even_steps`: Keras steps on uneven replicas (partial batches) evened out.
 - `keras_fit`: the epoch Keras's `fit` starts from.
 - `collective_abort`: aborting pending collectives when a peer is lost.
 """
@@ -28,8 +30,9 @@ def install_keras_hooks() -> None:
     Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
     every tfdist mesh strategy calls this when it is created.
     """
-    from tfdist.internal import (keras_jit, keras_lamb, loss_scale, optimizer_apply,
-                                 optimizer_gradients)
+    from tfdist.internal import (keras_jit, keras_lamb, keras_rows, loss_scale,
+                                 optimizer_apply, optimizer_gradients)
 
-    for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale):
+    for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale,
+                 keras_rows):
         hook.install()

@@ -20,7 +20,7 @@ global batches. Metric variables are on-read synchronised: read outside a
 step (Keras's epoch and `evaluate` logs) they are summed over ranks.
 
 Keras's `predict` concatenates what `strategy.run` returns on this process
-only; for its step function (recognised by `tfdist.internal.keras_predict`)
+only; for its step function (recognised by `tfdist.internal.keras_steps`)
 the outputs are all-gathered in rank order, so every rank's `predict` returns
 all rows in order.
 
@@ -37,7 +37,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
-from tfdist.internal.keras_predict import is_keras_predict_step
+from tfdist.internal.keras_steps import is_keras_predict_step
 from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global
 
 

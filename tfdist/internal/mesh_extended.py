@@ -39,6 +39,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import ops
 
 from tfdist.clipping import clip_global
+from tfdist.internal.even_steps import even_keras_step
 from tfdist.mesh import TensorLayout
 
 LAYOUT_KWARG = "tfdist_layout"
@@ -160,6 +161,17 @@ def split_global(layout: TensorLayout, value):
     return [value[layout.shard_slices(i)] for i in range(layout.mesh_shape.size)]
 
 
+def replica_tensors(structure):
+    """Every tensor in `structure`, each distributed value's components in replica order."""
+    out = []
+    for leaf in tf.nest.flatten(structure):
+        if isinstance(leaf, values.DistributedValues):
+            out.extend(v for v in leaf.values if isinstance(v, tf.Tensor))
+        elif isinstance(leaf, tf.Tensor):
+            out.append(leaf)
+    return out
+
+
 def _dense(value, var, i):
     """A gradient as a dense tensor of component `i` of `var`'s static shape.
 
@@ -264,6 +276,19 @@ class ShardRouting:
     def mesh_device_index(self, local_replica: int) -> int:
         """The mesh device index of this process's replica `local_replica`."""
         return local_replica
+
+    def even_keras_step(self, fn, args, kwargs):
+        """`(fn, args)` with a Keras step's replicas evened out (`tfdist.batch_rows`)."""
+        every_replica_here = len(self._devices) == self.mesh.size
+
+        def all_counts(counts):
+            if every_replica_here:
+                return tf.stack(counts)
+            return self.backend.all_gather(tf.reshape(counts[0], [1]), self.mesh_device_index(0),
+                                           tuple(range(self.mesh.size)))
+
+        return even_keras_step(fn, args, kwargs, self._devices, all_counts,
+                               even_when_static=every_replica_here)
 
     # -- variables ---------------------------------------------------------
 
@@ -490,4 +515,6 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         # After a trace that failed part-way, the devices' collective keys must
         # agree again before the next one (see `TFCollectiveBackend.resync`).
         self.backend.resync()
-        return super()._call_for_each_replica(fn, args, kwargs)
+        fn, args = self.even_keras_step(fn, args, kwargs)
+        with self.backend.step_shapes(replica_tensors((args, kwargs))):
+            return super()._call_for_each_replica(fn, args, kwargs)

@@ -1,6 +1,7 @@
-"""The private Keras detail behind gathering `predict`'s outputs: the predict step's name.
+"""The private Keras detail behind evening out partial batches and gathering `predict`'s
+outputs: the names of the steps Keras gives `strategy.run`.
 
-If a Keras upgrade renames `make_predict_function` or the step it builds, or
+If a Keras upgrade renames `make_<kind>_function` or the step it builds, or
 TensorFlow wraps the step so it can no longer be unwrapped, these tests fail first.
 """
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.internal.keras_predict import is_keras_predict_step
+from tfdist.internal.keras_steps import is_keras_predict_step, keras_step_kind
 
 
 def _steps_given_to_strategy_run(loop: str, jit_compile: bool):
@@ -47,11 +48,12 @@ def test_keras_predict_step_is_recognised(jit_compile):
         getattr(fn, "__qualname__", fn) for fn in steps]
 
 
-@pytest.mark.parametrize("loop", ["fit", "evaluate"])
-def test_train_and_test_steps_are_not(loop):
+@pytest.mark.parametrize("loop,kind", [("fit", "train"), ("evaluate", "test")])
+def test_train_and_test_steps_are_recognised_and_are_not_predict(loop, kind):
     steps = _steps_given_to_strategy_run(loop, jit_compile=False)
-    assert not any(is_keras_predict_step(fn) for fn in steps), [
+    assert all(keras_step_kind(fn) == kind for fn in steps), [
         getattr(fn, "__qualname__", fn) for fn in steps]
+    assert not any(is_keras_predict_step(fn) for fn in steps)
 
 
 def test_wrappers_are_unwrapped_and_other_functions_are_not_matched():
@@ -67,6 +69,8 @@ def test_wrappers_are_unwrapped_and_other_functions_are_not_matched():
         return step(data)
 
     assert is_keras_predict_step(wrapped)
+    assert keras_step_kind(wrapped) == "predict"
     assert is_keras_predict_step(tf.function(step))
     assert not is_keras_predict_step(lambda data: data)
     assert not is_keras_predict_step(None)
+    assert keras_step_kind(lambda data: data) is None
