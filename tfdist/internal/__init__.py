@@ -15,7 +15,7 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `optimizer_apply`: Keras's updates inside a cond (gradient accumulation,
   EMA overwrite) run in cross-replica context.
 - `keras_lamb`: Lamb's trust ratio from the norms of whole sharded weights.
-- `multi_worker_reduce`: Keras 3 `fit` under MultiWorkerMirroredStrategy (keras#20585).
+- `keras_reduce`: `strategy.reduce` as Keras 3 calls it (keras#20585, uneven first batches).
 - `keras_steps`: recognising Keras's train, test and predict steps.
 - `keras_rows`: Keras's losses and compiled metrics over the real rows of all replicas.
 - `even_steps`: Keras steps on uneven replicas (partial batches) evened out.

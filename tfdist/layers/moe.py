@@ -28,7 +28,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import batch_rows, collectives
 from tfdist.layers.weights import (
     add_sharded_weight,
     check_mesh,
@@ -54,6 +54,7 @@ def top_k_gating(
     second_expert_threshold=0.2,
     training=False,
     seed=None,
+    token_mask=None,
 ):
     """GShard top-1/top-2 gating with capacity, computed per group.
 
@@ -67,6 +68,9 @@ def top_k_gating(
         second_expert_threshold: the threshold of the two policies above.
         training: whether the layer is training.
         seed: a `keras.random.SeedGenerator` for `sampling`.
+        token_mask: optional `[G, S]`, 1 for real tokens, 0 for padding (the
+            padded rows of a partial batch, `tfdist.batch_rows`): padding goes
+            to no expert, takes no capacity and is left out of every statistic.
 
     Returns:
         `(dispatch, combine, stats)`: `dispatch [G, S, E, C]` is 1 where a token
@@ -80,19 +84,39 @@ def top_k_gating(
     index_1 = tf.argmax(probs, axis=-1)  # [G, S]
     mask_1 = tf.one_hot(index_1, num_experts, dtype=probs.dtype)  # [G, S, E]
     gate_1 = tf.reduce_sum(probs * mask_1, axis=-1)  # [G, S]
+    if token_mask is None:
+        mean_over_tokens = tf.reduce_mean
+        mean_over_groups = tf.reduce_mean
+    else:
+        real = tf.cast(token_mask, probs.dtype)  # [G, S]
+        mask_1 *= real[..., None]
+        in_group = tf.reduce_sum(real, axis=1)  # [G]
+
+        def mean_over_tokens(t, axis=None):  # t: [G, S] or [G, S, E]
+            m = real if t.shape.rank == 2 else real[..., None]
+            if axis == 1:
+                return tf.math.divide_no_nan(tf.reduce_sum(t * m, axis=1), in_group[:, None])
+            return tf.math.divide_no_nan(tf.reduce_sum(t * m, axis=axis), tf.reduce_sum(real))
+
+        def mean_over_groups(t):  # t: [G, E]; groups without real tokens left out
+            used = tf.cast(in_group > 0, t.dtype)[:, None]
+            return tf.math.divide_no_nan(tf.reduce_sum(t * used),
+                                         tf.reduce_sum(used) * float(t.shape[-1]))
 
     # GShard's auxiliary loss: mean over groups and experts of
     # (fraction of tokens whose top-1 is e) * (mean router probability of e), times E^2.
-    density = tf.reduce_mean(mask_1, axis=1)  # [G, E]
-    density_proxy = tf.reduce_mean(probs, axis=1)  # [G, E]
-    aux_loss = tf.reduce_mean(density * density_proxy) * float(num_experts**2)
-    z_loss = tf.reduce_mean(tf.square(tf.reduce_logsumexp(logits, axis=-1)))
+    density = mean_over_tokens(mask_1, axis=1)  # [G, E]
+    density_proxy = mean_over_tokens(probs, axis=1)  # [G, E]
+    aux_loss = mean_over_groups(density * density_proxy) * float(num_experts**2)
+    z_loss = mean_over_tokens(tf.square(tf.reduce_logsumexp(logits, axis=-1)))
 
     if top_k == 2:
         probs_2 = probs * (1.0 - mask_1)
         index_2 = tf.argmax(probs_2, axis=-1)
         mask_2 = tf.one_hot(index_2, num_experts, dtype=probs.dtype)
         gate_2 = tf.reduce_sum(probs_2 * mask_2, axis=-1)
+        if token_mask is not None:
+            mask_2 *= real[..., None]
         denom = gate_1 + gate_2 + 1e-9
         gate_1, gate_2 = gate_1 / denom, gate_2 / denom
         if second_expert_policy == "threshold" or (
@@ -111,8 +135,13 @@ def top_k_gating(
     slot_1 = tf.cast(tf.reduce_sum(position_1 * mask_1, axis=-1), tf.int32)  # [G, S]
     dispatch = mask_1[..., None] * tf.one_hot(slot_1, capacity, dtype=probs.dtype)[:, :, None, :]
     combine = (gate_1 * kept_1)[..., None, None] * dispatch  # [G, S, E, C]
-    load = tf.reduce_mean(mask_1, axis=[0, 1])  # [E]
-    dropped = 1.0 - tf.reduce_mean(kept_1)
+    if token_mask is None:
+        load = tf.reduce_mean(mask_1, axis=[0, 1])  # [E]
+        dropped = 1.0 - tf.reduce_mean(kept_1)
+    else:
+        tokens = tf.maximum(tf.reduce_sum(real), 1.0)
+        load = tf.reduce_sum(mask_1, axis=[0, 1]) / tokens
+        dropped = tf.math.divide_no_nan(tf.reduce_sum(real - kept_1), tf.reduce_sum(real))
 
     if top_k == 2:
         taken_1 = tf.reduce_sum(mask_1, axis=1, keepdims=True)  # [G, 1, E]
@@ -322,6 +351,11 @@ class MoE(keras.layers.Layer):
                     f"divide the tokens (batch * length) each replica routes")]):
                 tokens = tf.identity(tokens)
         groups = tf.reshape(tokens, [-1, S, d_model])  # [G, S, M]
+        token_mask = self._token_mask(x)
+        if token_mask is not None:
+            if self._ff_axis is not None:
+                token_mask = collectives.all_gather(token_mask, self._ff_axis, dim=0)
+            token_mask = tf.reshape(token_mask, [-1, S])  # [G, S]
 
         router_in = groups
         if training and self.router_jitter > 0:
@@ -334,7 +368,7 @@ class MoE(keras.layers.Layer):
         capacity = expert_capacity(S, self.num_experts, self.top_k, factor, self.min_capacity)
         dispatch, combine, stats = top_k_gating(
             logits, self.top_k, capacity, self.second_expert_policy,
-            self.second_expert_threshold, training, self.seed_generator)
+            self.second_expert_threshold, training, self.seed_generator, token_mask)
         dispatch = tf.cast(dispatch, groups.dtype)
         combine = tf.cast(combine, groups.dtype)
 
@@ -360,6 +394,23 @@ class MoE(keras.layers.Layer):
         self.dropped_metric.update_state(stats["dropped_fraction"])
         self.load_metric.update_state(stats["load"])
         return tf.reshape(y, shape)
+
+    @staticmethod
+    def _token_mask(x):
+        """`[T]` 1/0 for real/padded tokens in a partial batch's step, else None.
+
+        The rows are the step's (`tfdist.batch_rows`) when `x` has one row per
+        step row, as in a Transformer's training and evaluation; inputs of
+        other rows (a decoder's batch * beam) are taken as all real.
+        """
+        rows = batch_rows.current()
+        if rows is None:
+            return None
+        per_row = tf.reduce_prod(tf.shape(x)[1:-1])
+        return tf.cond(
+            tf.equal(tf.shape(x)[0], rows.padded),
+            lambda: tf.repeat(rows.mask, per_row),
+            lambda: tf.ones([tf.reduce_prod(tf.shape(x)[:-1])], rows.mask.dtype))
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)

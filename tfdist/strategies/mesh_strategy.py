@@ -6,6 +6,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.comm import fusion
+from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES
 from tfdist.comm.tf_collectives import TFCollectiveBackend
 from tfdist.internal import install_keras_hooks
 from tfdist.internal.mesh_extended import MeshExtended
@@ -82,6 +83,17 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
             so keep it for debugging hangs.
         bucket_bytes: largest fused bucket of data-parallel gradients
             (default 25 MiB, PyTorch DDP's default).
+        max_shapes: distinct input shapes one traced step (a Keras train,
+            test or predict function) may meet. Batches may have any shape
+            (length buckets, a partial last batch); TensorFlow keeps one record
+            per shape for each collective whose shape varies
+            (`tfdist.comm.shape_keys`), so more shapes than this fail with a
+            clear error rather than grow memory without bound.
+
+    Partial batches: a batch whose rows the replicas cannot share evenly (the
+    last one, or a batch size the device count does not divide) is padded per
+    replica and the padding counted nowhere (`tfdist.batch_rows`): `fit`,
+    `evaluate` and `predict` use every row once, exactly as one device does.
 
     Example:
 
@@ -109,11 +121,12 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         devices: Union[None, str, Sequence[str]] = None,
         collective_timeout: float = 0.0,
         bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+        max_shapes: int = DEFAULT_MAX_SHAPES,
     ):
         mesh = mesh_shape if isinstance(mesh_shape, Mesh) else Mesh.parse(mesh_shape, layout)
         devices = resolve_devices(mesh, devices)
         backend = TFCollectiveBackend(devices, timeout_seconds=collective_timeout,
-                                      bucket_bytes=bucket_bytes)
+                                      bucket_bytes=bucket_bytes, max_shapes=max_shapes)
         install_keras_hooks()
         super().__init__(MeshExtended(self, mesh, devices, backend))
         self.mesh = mesh

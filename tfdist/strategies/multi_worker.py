@@ -5,7 +5,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.cluster import ClusterConfig
-from tfdist.internal.multi_worker_reduce import reduce_for_keras
+from tfdist.internal.keras_reduce import reduce_for_keras
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -21,7 +21,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     data parallelism); gradients are all-reduced with RING or NCCL
     collectives. Keras 3 calls `strategy.reduce` in two ways that
     `MultiWorkerMirroredStrategy` rejects (keras#20585); this strategy
-    answers them (`tfdist.internal.multi_worker_reduce`) and leaves every
+    answers them (`tfdist.internal.keras_reduce`) and leaves every
     other call to TensorFlow. TF_CONFIG is checked first (`tfdist.cluster.ClusterConfig`),
     so a broken one fails with one clear message.
 

@@ -82,3 +82,45 @@ class ReferenceMoE(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
+
+
+@keras.saving.register_keras_serializable(package="tfdist_testing")
+class NoDropReferenceMoE(keras.layers.Layer):
+    """Every expert on every token, mixed by the top-k gates: the MoE when no token is dropped.
+
+    Written without groups, capacity or dispatch, so it takes batches of any
+    shape in graph mode (the per-token `ReferenceMoE` needs static shapes).
+    Equals `tfdist.layers.MoE` (policy `all`, no jitter, no dropout) whenever
+    its capacity admits every choice; it adds no auxiliary losses (compare
+    with `aux_loss_coef=z_loss_coef=0`). Takes the MoE's config.
+    """
+
+    def __init__(self, num_experts, d_ff, top_k=2, activation="relu", **kwargs):
+        for unused in ("capacity_factor", "eval_capacity_factor", "min_capacity", "group_size",
+                       "aux_loss_coef", "z_loss_coef", "second_expert_policy",
+                       "second_expert_threshold", "router_jitter", "dropout", "seed",
+                       "hidden_axis"):
+            kwargs.pop(unused, None)
+        super().__init__(**kwargs)
+        self.num_experts, self.d_ff, self.top_k = num_experts, d_ff, top_k
+        self.activation = keras.activations.get(activation)
+
+    def build(self, input_shape):
+        d_model = int(input_shape[-1])
+        E, H = self.num_experts, self.d_ff
+        self.router = self.add_weight(name="router", shape=(d_model, E))
+        self.wi = self.add_weight(name="wi", shape=(E, d_model, H))
+        self.wo = self.add_weight(name="wo", shape=(E, H, d_model))
+
+    def call(self, inputs):
+        x = tf.convert_to_tensor(inputs)
+        probs = tf.nn.softmax(tf.einsum("...m,me->...e", x, self.router))
+        gates, experts = tf.math.top_k(probs, k=self.top_k)
+        if self.top_k == 2:
+            gates = gates / (tf.reduce_sum(gates, axis=-1, keepdims=True) + 1e-9)
+        mix = tf.reduce_sum(tf.one_hot(experts, self.num_experts) * gates[..., None], axis=-2)
+        hidden = self.activation(tf.einsum("...m,emh->...eh", x, self.wi))
+        return tf.einsum("...e,...eh,ehm->...m", mix, hidden, self.wo)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)

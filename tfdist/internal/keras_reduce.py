@@ -1,6 +1,9 @@
-"""`strategy.reduce` as Keras 3 calls it, under MultiWorkerMirroredStrategy.
+"""`strategy.reduce` as Keras 3 calls it, under every tfdist strategy.
 
-A workaround for keras#20585: Keras 3 `fit` under MultiWorkerMirroredStrategy.
+A workaround for keras#20585 (Keras 3 `fit` under MultiWorkerMirroredStrategy)
+and for first batches the replicas hold unevenly (a batch size the replica
+count does not divide), used by `tfdist.MultiWorkerStrategy` and by every mesh
+strategy (`tfdist.runtime.MeshRuntime.reduce`).
 
 Private TF API used: none (public `tf.distribute` calls on the strategy).
 
@@ -9,9 +12,10 @@ Keras 3 (trainer.py, `_maybe_symbolic_build`) calls
 (a tuple of per-replica tensors, integer labels included) only to learn the
 shapes for its symbolic build. `MultiWorkerMirroredStrategy` cannot reduce a
 nest ("Attempt to convert a value (PerReplica ...) to a Tensor"), and an
-all-reduce across workers of integer labels would be wrong anyway. For that
-call we return each input's local value, which has exactly the shapes Keras
-needs.
+all-reduce across workers of integer labels would be wrong anyway; replicas
+of uneven rows cannot be averaged at all ("Inputs to operation AddN must have
+the same size and shape"). For that call we return each input's local value,
+which has exactly the shapes Keras needs.
 
 Its step functions then call `strategy.reduce("MEAN", value, axis=0)` on
 every logged value (`reduce_per_replica`), including scalars (loss, metric

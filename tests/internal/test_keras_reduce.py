@@ -1,4 +1,4 @@
-"""The Keras 3 calls behind `tfdist.internal.multi_worker_reduce` (keras#20585).
+"""The Keras 3 calls behind `tfdist.internal.keras_reduce` (keras#20585).
 
 If Keras stops calling `strategy.reduce` with the nested first batch (or the
 workaround stops answering its calls), these tests fail first. The full
@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.internal.multi_worker_reduce import reduce_for_keras
+from tfdist.internal.keras_reduce import reduce_for_keras
 
 
 def _two_cpus():
