@@ -143,3 +143,42 @@ def xc_head(strategy, num_classes=1001):
         loss=ShardedSparseCategoricalCrossentropy(num_classes, label_smoothing=0.1),
         reference_loss=SmoothedSparseCrossentropy(num_classes, label_smoothing=0.1),
         optimizer=adam, batch_size=16, steps=10, compare_outputs=False, rtol=1e-5)
+
+
+def partial_batches(strategy):
+    """37 rows, batch 8: fit, evaluate and predict use every row once, like one device."""
+    from tfdist.testing.equivalence import max_rel_diff
+    from tfdist.testing.reference import reference_model
+
+    x, y = make_copy_task(37)
+    weights = np.random.default_rng(2).uniform(0.5, 2.0, size=y.shape).astype("float32")
+    keras.utils.set_random_seed(0)
+    reference = reference_model(build_token_mlp())
+    with strategy.scope():
+        model = build_token_mlp()
+    model.set_weights(reference.get_weights())
+
+    def compile(m):
+        m.compile(keras.optimizers.SGD(0.2, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["sparse_categorical_accuracy"],
+                  weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="w_acc")])
+
+    with strategy.scope():
+        compile(model)
+    compile(reference)
+    args = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, sample_weight=weights, **args).history
+    ref_history = reference.fit(x, y, sample_weight=weights, **args).history
+    worst_history = max(max_rel_diff(history[k], ref_history[k]) for k in ref_history)
+    worst_weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(),
+                                                           reference.get_weights()))
+    evaluation = model.evaluate(x, y, batch_size=8, verbose=0)
+    worst_evaluation = max_rel_diff(evaluation, reference.evaluate(x, y, batch_size=8, verbose=0))
+    predictions = model.predict(x, batch_size=8, verbose=0)
+    assert predictions.shape == (37, 4, 16), predictions.shape
+    worst_predictions = max_rel_diff(predictions, reference.predict(x, batch_size=8, verbose=0))
+    worst = max(worst_history, worst_weights, worst_evaluation, worst_predictions)
+    assert worst < 1e-5, (worst_history, worst_weights, worst_evaluation, worst_predictions)
+    return (f"37 rows, batch 8: history {worst_history:.1e}, weights after 10 steps {worst_weights:.1e}, "
+            f"evaluate {worst_evaluation:.1e}, predict (37 rows) {worst_predictions:.1e}")

@@ -24,7 +24,8 @@ def launch(*args, timeout=300):
 
 
 @pytest.mark.parametrize("workers, devices, mesh, cases", [
-    (2, 1, "data:1;model:2", "keras_options,mixed_bfloat16,sharded_options,fit_options"),
+    (2, 1, "data:1;model:2",
+     "keras_options,mixed_bfloat16,sharded_options,fit_options,partial_batches"),
     (2, 2, "data:2;model:2", ""),
 ])
 def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh, cases):

@@ -279,6 +279,8 @@ class ShardRouting:
 
     def even_keras_step(self, fn, args, kwargs):
         """`(fn, args)` with a Keras step's replicas evened out (`tfdist.batch_rows`)."""
+        if self.mesh.size == 1:
+            return fn, args
         every_replica_here = len(self._devices) == self.mesh.size
 
         def all_counts(counts):
