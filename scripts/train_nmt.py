@@ -155,13 +155,11 @@ def main(argv):
         replicas = strategy.num_replicas_in_sync
         # MoE groups must divide each replica's tokens: 8 rows x a multiple of 8 positions.
         multiple = replicas * (8 if model_config.moe_experts else 1)
-        # TF's collectives fix an op's shape at its first run (a later batch of another
-        # length fails with "Shape mismatch in the collective instance"), so on a mesh of
-        # several devices every batch gets one shape: a single bucket of max_length.
-        width = model_config.max_length if mesh.size > 1 else 8
+        # Length buckets of 8 positions on every mesh: the collectives take one key per
+        # bucket shape (tfdist.comm.shape_keys).
         dataset = nmt.make_dataset(train_pairs, tokenizer, config.max_tokens,
                                    batch_multiple=multiple, max_length=model_config.max_length,
-                                   bucket_width=width, seed=config.seed, repeat=True)
+                                   bucket_width=8, seed=config.seed, repeat=True)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     if chief:
