@@ -344,12 +344,13 @@ class MoE(keras.layers.Layer):
                 f"tokens (batch * length) each replica routes; use a batch whose "
                 f"per-replica token count is a multiple of {S}."
             )
-        if num_tokens is None:  # batches of several shapes (length buckets): check at run time
+        if num_tokens is None:
+            # Batches of several shapes (length buckets): the reshape into groups below
+            # fails at run time if S does not divide the tokens. No assert op here: TF
+            # orders stateful ops without resources (asserts) one after another across
+            # the replicas of a step, and the replicas' asserts of two MoE layers would
+            # then wait on each other's all-to-alls (a deadlock).
             num_tokens = tf.shape(tokens)[0]
-            with tf.control_dependencies([tf.debugging.assert_equal(
-                    num_tokens % S, 0, message=f"Layer {self.name!r}: group_size={S} must "
-                    f"divide the tokens (batch * length) each replica routes")]):
-                tokens = tf.identity(tokens)
         groups = tf.reshape(tokens, [-1, S, d_model])  # [G, S, M]
         token_mask = self._token_mask(x)
         if token_mask is not None:
