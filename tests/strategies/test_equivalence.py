@@ -27,9 +27,10 @@ OPTIMIZERS = {
 STEPS, BATCH = 20, 16
 
 
-# Adam on every mesh; plain SGD (no slots) on the smaller ones, to keep CI time down.
+# Adam on every mesh; plain SGD (no slots) on one data- and one model-parallel mesh,
+# to keep CI time down.
 CASES = [(mesh, "adam") for mesh in MESHES] + [
-    (mesh, "sgd") for mesh in MESHES if mesh not in ("data:2;model:2", "data:2;model:4")]
+    (mesh, "sgd") for mesh in ("data:2;model:1", "data:1;model:4")]
 
 
 @pytest.mark.parametrize("mesh, optimizer", CASES)
@@ -78,7 +79,7 @@ def test_tied_weights_and_loss_scaling_match_single_device(mesh):
     print(f"{mesh} tied + loss scaling: {report}")
 
 
-@pytest.mark.parametrize("mesh", ["data:2;model:1", "data:1;model:2", "data:2;model:2"])
+@pytest.mark.parametrize("mesh", ["data:1;model:2", "data:2;model:2"])  # + over ranks
 def test_a_plain_keras_embedding_beside_sharded_layers_matches_single_device(mesh):
     x, y = make_copy_task(STEPS * BATCH)
     report = assert_equivalent(
