@@ -36,7 +36,7 @@ def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh, cas
     for name in ("token_mlp", "xc_head", "plain_embedding", *filter(None, cases.split(","))):
         line = next(l for l in result.stdout.splitlines() if f"] {name} {mesh}:" in l)
         print(line)
-        assert "weights after 1" in line  # the job's assertions passed
+        assert "weights after " in line  # the job's assertions passed
     assert f"] averaging {mesh}: period 1 SGD vs synchronous SGD" in result.stdout
 
 

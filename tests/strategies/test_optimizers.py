@@ -22,14 +22,20 @@ OPTIMIZERS = {
 }
 
 
+# Lamb and AdamW (norms and decay over every shard) on 2x2; the others, whose
+# updates are elementwise, on 1x2 for the suite's time budget.
+ON_2X2 = ("lamb", "adamw")
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_optimizer_matches_one_device_on_a_2x2_mesh(name):
+def test_optimizer_matches_one_device_on_a_mesh(name):
     x, y = make_copy_task(STEPS * BATCH)
+    mesh = "data:2;model:2" if name in ON_2X2 else "data:1;model:2"
     report = assert_equivalent(
-        build_token_mlp, MeshStrategy("data:2;model:2", LAYOUT), x, y,
+        build_token_mlp, MeshStrategy(mesh, LAYOUT), x, y,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=OPTIMIZERS[name], batch_size=BATCH, steps=STEPS, rtol=1e-5)
-    print(f"{name}: {report}")
+    print(f"{name} on {mesh}: {report}")
 
 
 # Keras applies these inside a tf.cond (tfdist.internal.optimizer_apply).
