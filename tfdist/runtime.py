@@ -43,15 +43,6 @@ class MeshRuntime(abc.ABC):
     def is_chief(self) -> bool:
         """Whether this process writes checkpoints and logs."""
 
-    def reduce(self, reduce_op, value, axis):
-        """`tf.distribute.Strategy.reduce`, with Keras's symbolic-build call answered locally.
-
-        See `tfdist.internal.keras_reduce`.
-        """
-        from tfdist.internal.keras_reduce import reduce_for_keras
-
-        return reduce_for_keras(super().reduce, self, reduce_op, value, axis)
-
     @property
     def collective_weight_reads(self) -> bool:
         """Whether reading a sharded weight globally is a collective of all processes.

@@ -3,7 +3,7 @@
 A workaround for keras#20585 (Keras 3 `fit` under MultiWorkerMirroredStrategy)
 and for first batches the replicas hold unevenly (a batch size the replica
 count does not divide), used by `tfdist.MultiWorkerStrategy` and by every mesh
-strategy (`tfdist.runtime.MeshRuntime.reduce`).
+strategy (`MeshStrategy.reduce`, `HorovodStrategy.reduce`).
 
 Private TF API used: none (public `tf.distribute` calls on the strategy).
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
 from tfdist.internal import install_keras_hooks
 from tfdist.internal.horovod_extended import HorovodExtended
+from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.mesh import Mesh
 from tfdist.runtime import MeshRuntime
 
@@ -98,6 +99,11 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         self.hvd = hvd
         self.mesh = mesh
         self._backend = backend
+
+    def reduce(self, reduce_op, value, axis):
+        # Keras's symbolic build reduces the first batch, which replicas may hold
+        # unevenly: answered locally (tfdist.internal.keras_reduce).
+        return reduce_for_keras(super().reduce, self, reduce_op, value, axis)
 
     @property
     def backend(self) -> HorovodBackend:

@@ -9,6 +9,7 @@ from tfdist.comm import fusion
 from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES
 from tfdist.comm.tf_collectives import TFCollectiveBackend
 from tfdist.internal import install_keras_hooks
+from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.internal.mesh_extended import MeshExtended
 from tfdist.mesh import Mesh
 from tfdist.runtime import MeshRuntime
@@ -132,6 +133,11 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         self.mesh = mesh
         self._backend = backend
         logging.info("MeshStrategy: %s on %s", mesh, devices)
+
+    def reduce(self, reduce_op, value, axis):
+        # Keras's symbolic build reduces the first batch, which replicas may hold
+        # unevenly: answered locally (tfdist.internal.keras_reduce).
+        return reduce_for_keras(super().reduce, self, reduce_op, value, axis)
 
     @property
     def backend(self) -> TFCollectiveBackend:
