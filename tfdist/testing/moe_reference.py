@@ -13,6 +13,15 @@ import tensorflow as tf
 from tfdist.layers.moe import expert_capacity
 
 
+def add_expert_weights(layer, input_shape):
+    """The MoE's weights, in its order: router `[M, E]`, wi `[E, M, H]`, wo `[E, H, M]`."""
+    d_model = int(input_shape[-1])
+    E, H = layer.num_experts, layer.d_ff
+    layer.router = layer.add_weight(name="router", shape=(d_model, E))
+    layer.wi = layer.add_weight(name="wi", shape=(E, d_model, H))
+    layer.wo = layer.add_weight(name="wo", shape=(E, H, d_model))
+
+
 @keras.saving.register_keras_serializable(package="tfdist_testing")
 class ReferenceMoE(keras.layers.Layer):
     """The per-token-loop twin of `tfdist.layers.MoE` (takes the same config)."""
@@ -31,11 +40,7 @@ class ReferenceMoE(keras.layers.Layer):
         self.activation = keras.activations.get(activation)
 
     def build(self, input_shape):
-        d_model = int(input_shape[-1])
-        E, H = self.num_experts, self.d_ff
-        self.router = self.add_weight(name="router", shape=(d_model, E))
-        self.wi = self.add_weight(name="wi", shape=(E, d_model, H))
-        self.wo = self.add_weight(name="wo", shape=(E, H, d_model))
+        add_expert_weights(self, input_shape)
 
     def _expert(self, e, x):
         """FFN of expert `e` (an int32 scalar tensor) on one token `x [M]`."""
@@ -106,11 +111,7 @@ class NoDropReferenceMoE(keras.layers.Layer):
         self.activation = keras.activations.get(activation)
 
     def build(self, input_shape):
-        d_model = int(input_shape[-1])
-        E, H = self.num_experts, self.d_ff
-        self.router = self.add_weight(name="router", shape=(d_model, E))
-        self.wi = self.add_weight(name="wi", shape=(E, d_model, H))
-        self.wo = self.add_weight(name="wo", shape=(E, H, d_model))
+        add_expert_weights(self, input_shape)
 
     def call(self, inputs):
         x = tf.convert_to_tensor(inputs)
