@@ -65,11 +65,11 @@ def replica_rows(rows: Rows):
         _local.rows = previous
 
 
-def row_count(structure):
-    """The rows (dimension 0) of the first tensor in `structure`, int32, or None."""
+def first_batched(structure):
+    """The first tensor of `structure` that has a dimension 0 (its rows), or None."""
     for t in tf.nest.flatten(structure):
         if isinstance(t, tf.Tensor) and t.shape.rank:
-            return tf.shape(t, out_type=tf.int32)[0]
+            return t
     return None
 
 

@@ -14,7 +14,7 @@ and cuts predictions back to the real rows. Other functions given to
 `strategy.run` are left alone. Checked by `tests/strategies/test_partial_batches.py`.
 """
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_utils
@@ -24,34 +24,30 @@ from tfdist.internal import keras_rows
 from tfdist.internal.keras_steps import keras_step_kind, keras_step_model
 
 
-def even_keras_step(fn, args, kwargs, devices: Sequence[str],
-                    all_counts: Callable, even_when_static: bool):
+def even_keras_step(fn, args, kwargs, devices: Sequence[str]):
     """`(fn, args)` for `_call_for_each_replica`, evened out if `fn` is a Keras step.
 
     Args:
         fn, args, kwargs: as given to `_call_for_each_replica`.
-        devices: this process's replica devices.
-        all_counts: from the list of local replicas' row counts (int32 scalars)
-            to a 1-D int32 tensor of every replica's count (a gather where
-            replicas live in other processes).
-        even_when_static: whether local replicas whose static row counts agree
-            make the step even (true where this process holds every replica).
+        devices: the replica devices, every replica of the mesh (a single
+            controller: in one process, or driving the workers).
     """
     kind = keras_step_kind(fn)
-    if kind is None or len(args) != 1 or kwargs:
+    if kind is None or len(args) != 1 or kwargs or len(devices) == 1:
         return fn, args
     parts = [distribute_utils.select_replica(i, args[0]) for i in range(len(devices))]
-    static = [_static_rows(p) for p in parts]
-    if even_when_static and None not in static and len(set(static)) == 1:
+    firsts = [batch_rows.first_batched(p) for p in parts]
+    if any(t is None for t in firsts):
+        return fn, args
+    static = [t.shape[0] for t in firsts]
+    if None not in static and len(set(static)) == 1:
         return fn, args
     counts = []
-    for device, part in zip(devices, parts):
+    for device, t in zip(devices, firsts):
         with tf.device(device):
-            counts.append(batch_rows.row_count(part))
-    if any(c is None for c in counts):
-        return fn, args
+            counts.append(tf.shape(t, out_type=tf.int32)[0])
     with tf.device(devices[0]):
-        everyone = all_counts(counts)
+        everyone = tf.stack(counts)
         n = tf.reduce_max(everyone)
         total = tf.maximum(tf.cast(tf.reduce_sum(everyone), tf.float32), 1.0)
     even = []
@@ -61,18 +57,10 @@ def even_keras_step(fn, args, kwargs, devices: Sequence[str],
             even.append((batch_rows.pad_rows(part, n), mask, count))
     if kind != "predict":
         keras_rows.track_real_rows(keras_step_model(fn))
-    even_args = distribute_utils.regroup(even) if len(devices) > 1 else even[0]
 
     def even_step(data, mask, count):
         with batch_rows.replica_rows(batch_rows.Rows(mask, count, n, total)):
             out = fn(data)
         return batch_rows.real_rows(out, count) if kind == "predict" else out
 
-    return even_step, tuple(even_args)
-
-
-def _static_rows(structure):
-    for t in tf.nest.flatten(structure):
-        if isinstance(t, tf.Tensor) and t.shape.rank:
-            return t.shape[0]
-    return None
+    return even_step, tuple(distribute_utils.regroup(even))

@@ -277,21 +277,6 @@ class ShardRouting:
         """The mesh device index of this process's replica `local_replica`."""
         return local_replica
 
-    def even_keras_step(self, fn, args, kwargs):
-        """`(fn, args)` with a Keras step's replicas evened out (`tfdist.batch_rows`)."""
-        if self.mesh.size == 1:
-            return fn, args
-        every_replica_here = len(self._devices) == self.mesh.size
-
-        def all_counts(counts):
-            if every_replica_here:
-                return tf.stack(counts)
-            return self.backend.all_gather(tf.reshape(counts[0], [1]), self.mesh_device_index(0),
-                                           tuple(range(self.mesh.size)))
-
-        return even_keras_step(fn, args, kwargs, self._devices, all_counts,
-                               even_when_static=every_replica_here)
-
     # -- variables ---------------------------------------------------------
 
     _sharded_variable_class = ShardedVariable
@@ -517,6 +502,6 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         # After a trace that failed part-way, the devices' collective keys must
         # agree again before the next one (see `TFCollectiveBackend.resync`).
         self.backend.resync()
-        fn, args = self.even_keras_step(fn, args, kwargs)
+        fn, args = even_keras_step(fn, args, kwargs, self._devices)
         with self.backend.step_shapes(replica_tensors((args, kwargs))):
             return super()._call_for_each_replica(fn, args, kwargs)
