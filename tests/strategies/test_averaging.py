@@ -41,6 +41,42 @@ def test_period_one_with_sgd_is_synchronous_sgd(replicas):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_partial_batches_use_every_row_like_one_device(replicas):
+    """37 rows in batches of 8 (the last 5 split unevenly; on 4 replicas some hold one row),
+    sample weights; evaluate in batches of 12 (the last batch one row: the other replicas
+    hold none). Period 1 with SGD: history, weights, evaluate and predict as on one device."""
+    x, y = _data(3)
+    x, y = x[:37], y[:37]
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, size=37).astype("float32")
+
+    def compile(m):
+        m.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"],
+                  weighted_metrics=[keras.metrics.MeanSquaredError(name="w_mse")])
+
+    reference = _mlp()
+    compile(reference)
+    strategy = ModelAveragingStrategy(period=1, num_replicas=replicas)
+    with strategy.scope():
+        model = _mlp()
+        compile(model)
+    model.set_weights(reference.get_weights())
+    args = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, sample_weight=weights, **args).history
+    expected = reference.fit(x, y, sample_weight=weights, **args).history
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    evaluation = model.evaluate(x, y, sample_weight=weights, batch_size=12, verbose=0)
+    np.testing.assert_allclose(evaluation, reference.evaluate(
+        x, y, sample_weight=weights, batch_size=12, verbose=0), rtol=1e-5)
+    predictions = model.predict(x, batch_size=8, verbose=0)
+    assert predictions.shape == (37, 2)
+    np.testing.assert_allclose(predictions, reference.predict(x, batch_size=8, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("steps, synced", [(8, True), (9, False)])
 def test_copies_diverge_between_averagings_and_agree_after(steps, synced):
     x, y = _data(steps)

@@ -2,7 +2,7 @@
 
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_create_variable`, `_batch_reduce_to`, `_update`, `_use_merge_call`,
-`_initialize_strategy`.
+`_initialize_strategy`, `_call_for_each_replica`.
 
 Under an unmodified Keras `fit`:
 
@@ -21,12 +21,20 @@ Under an unmodified Keras `fit`:
 
 With `period=1`, no block momentum and plain SGD this equals synchronous
 data-parallel SGD (tested).
+
+A partial batch reaches the replicas unevenly (`_call_for_each_replica`,
+`tfdist.internal.even_steps` without padding): a replica's mean loss is its
+rows' sum over the batch's mean rows per replica (the full-batch loss when
+the replicas are even, a zero gradient for a replica without rows), so with
+`period=1` and SGD a partial batch too trains exactly as on one device.
 """
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
+
+from tfdist.internal.even_steps import even_keras_step
 
 
 class AveragingExtended(mirrored_strategy.MirroredExtended):
@@ -48,6 +56,10 @@ class AveragingExtended(mirrored_strategy.MirroredExtended):
 
     def _use_merge_call(self):
         return True
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        fn, args = even_keras_step(fn, args, kwargs, self._devices, pad=False)
+        return super()._call_for_each_replica(fn, args, kwargs)
 
     def _create_variable(self, next_creator, **kwargs):
         primary = kwargs.get("colocate_with")

@@ -12,6 +12,14 @@ largest, makes each replica's `Rows` (its row mask) current while its step runs
 (Keras's losses and metrics then count only real rows: `tfdist.internal.keras_rows`),
 and cuts predictions back to the real rows. Other functions given to
 `strategy.run` are left alone. Checked by `tests/strategies/test_partial_batches.py`.
+
+Where each process runs its own replica (HorovodStrategy, MultiWorkerStrategy)
+no process sees the others' rows, so `counted_keras_step` asks them inside the
+step: each replica exchanges its row count (`gather_counts`, one small
+collective per step) and then pads, if its strategy needs even replicas, and
+runs as above. Under MultiWorkerStrategy (`wrap_mirrored_steps`) replicas
+share no collective but the gradient all-reduce, so nothing is padded: only the
+losses, metrics and loss tracker count the global rows.
 """
 
 from typing import Sequence
@@ -24,16 +32,21 @@ from tfdist.internal import keras_rows
 from tfdist.internal.keras_steps import keras_step_kind, keras_step_model
 
 
-def even_keras_step(fn, args, kwargs, devices: Sequence[str]):
+def even_keras_step(fn, args, kwargs, devices: Sequence[str], pad: bool = True):
     """`(fn, args)` for `_call_for_each_replica`, evened out if `fn` is a Keras step.
 
     Args:
         fn, args, kwargs: as given to `_call_for_each_replica`.
         devices: the replica devices, every replica of the mesh (a single
             controller: in one process, or driving the workers).
+        pad: pad every replica to the step's largest (for layers that exchange
+            activations between replicas); without it the replicas keep their
+            rows, only the losses, metrics and loss tracker count the real rows
+            of all replicas, and predict steps are left alone.
     """
     kind = keras_step_kind(fn)
-    if kind is None or len(args) != 1 or kwargs or len(devices) == 1:
+    if kind is None or len(args) != 1 or kwargs or len(devices) == 1 or \
+            (kind == "predict" and not pad):
         return fn, args
     parts = [distribute_utils.select_replica(i, args[0]) for i in range(len(devices))]
     firsts = [batch_rows.first_batched(p) for p in parts]
@@ -53,14 +66,75 @@ def even_keras_step(fn, args, kwargs, devices: Sequence[str]):
     even = []
     for device, part, count in zip(devices, parts, counts):
         with tf.device(device):
-            mask = tf.sequence_mask(count, n, dtype=tf.float32)
-            even.append((batch_rows.pad_rows(part, n), mask, count))
+            if pad:
+                mask = tf.sequence_mask(count, n, dtype=tf.float32)
+                even.append((batch_rows.pad_rows(part, n), mask, count, n))
+            else:
+                even.append((part, tf.ones([count], tf.float32), count, count))
     if kind != "predict":
         keras_rows.track_real_rows(keras_step_model(fn))
 
-    def even_step(data, mask, count):
-        with batch_rows.replica_rows(batch_rows.Rows(mask, count, n, total)):
+    def even_step(data, mask, count, padded):
+        with batch_rows.replica_rows(batch_rows.Rows(mask, count, padded, total)):
             out = fn(data)
         return batch_rows.real_rows(out, count) if kind == "predict" else out
 
     return even_step, tuple(distribute_utils.regroup(even))
+
+
+def counted_keras_step(fn, args, kwargs, gather_counts, pad: bool):
+    """`(fn, args)` for a strategy whose replicas learn each other's rows in the step.
+
+    Args:
+        fn, args, kwargs: as given to `_call_for_each_replica`.
+        gather_counts: `count -> [replicas]` int32, every replica's row count
+            (a collective every replica of the step calls in the same order).
+        pad: pad every replica to the step's largest (for strategies whose
+            layers exchange activations between replicas); predictions are
+            then cut back. Without it, predict steps are left alone.
+    """
+    kind = keras_step_kind(fn)
+    if kind is None or len(args) != 1 or kwargs or (kind == "predict" and not pad):
+        return fn, args
+
+    def counted_step(data):
+        first = batch_rows.first_batched(data)
+        if first is None:
+            return fn(data)
+        count = tf.shape(first, out_type=tf.int32)[0]
+        everyone = gather_counts(count)
+        total = tf.maximum(tf.cast(tf.reduce_sum(everyone), tf.float32), 1.0)
+        if pad:
+            n = tf.reduce_max(everyone)
+            data = batch_rows.pad_rows(data, n)
+            mask = tf.sequence_mask(count, n, dtype=tf.float32)
+        else:
+            n = count
+            mask = tf.ones([count], tf.float32)
+        if kind != "predict":
+            keras_rows.track_real_rows(keras_step_model(fn))
+        with batch_rows.replica_rows(batch_rows.Rows(mask, count, n, total)):
+            out = fn(data)
+        return batch_rows.real_rows(out, count) if kind == "predict" else out
+
+    return counted_step, args
+
+
+def wrap_mirrored_steps(extended) -> None:
+    """Makes a `MultiWorkerMirroredStrategy`'s Keras train/test steps count global rows.
+
+    Private TF API: wraps the instance's `_call_for_each_replica` (its
+    `MirroredExtended` hook that runs a function on every local replica); the
+    counts are exchanged with the replica context's `all_gather`.
+    """
+    call = extended._call_for_each_replica
+
+    def gather_counts(count):
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_gather(count[tf.newaxis], axis=0)
+
+    def call_for_each_replica(fn, args, kwargs):
+        fn, args = counted_keras_step(fn, args, kwargs, gather_counts, pad=False)
+        return call(fn, args, kwargs)
+
+    extended._call_for_each_replica = call_for_each_replica

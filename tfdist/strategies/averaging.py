@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.comm.tf_collectives import TFCollectiveBackend
+from tfdist.internal import install_keras_hooks
 from tfdist.internal.averaging_extended import AveragingExtended
 from tfdist.mesh import Mesh
 from tfdist.strategies.mesh_strategy import resolve_devices
@@ -64,6 +65,7 @@ class ModelAveragingStrategy(tf.distribute.Strategy):
         n = len(devices) if devices is not None else num_replicas
         devices = resolve_devices(Mesh.parse(f"data:{n}"), devices)
         engine = TFCollectiveBackend(devices, timeout_seconds=collective_timeout)
+        install_keras_hooks()
         super().__init__(AveragingExtended(self, devices, engine, period, average_slots,
                                            block_momentum, block_lr))
         self.engine = engine
