@@ -3,7 +3,10 @@
 Run in every task with a TF_CONFIG (python -m tfdist.launch --num_workers 2 --
 tests/cluster/mw_job.py [--plain] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
 same small model as a single-process reference on the same global batches
-and prints the largest weight difference; --plain uses
+and prints the largest weight difference. The data are partial batches: 37
+rows in batches of 8 (the last 5 rows split unevenly over the workers) with
+sample weights, and an evaluation in batches of 12 (the last batch is one row:
+one worker gets none); --plain uses
 tf.distribute.MultiWorkerMirroredStrategy itself (which Keras 3 fails under:
 keras#20585).
 """
@@ -33,8 +36,10 @@ from tfdist.strategies import MultiWorkerStrategy  # noqa: E402
 strategy = tf.distribute.MultiWorkerMirroredStrategy() if args.plain else MultiWorkerStrategy()
 task = strategy.cluster_resolver.task_id
 rng = np.random.default_rng(0)
-x = rng.normal(size=(8 * 16, 8)).astype("float32")
-y = rng.integers(0, 4, size=(8 * 16,)).astype("int32")
+ROWS, BATCH = 37, 8
+x = rng.normal(size=(ROWS, 8)).astype("float32")
+y = rng.integers(0, 4, size=(ROWS,)).astype("int32")
+w = rng.uniform(0.5, 2.0, size=(ROWS,)).astype("float32")
 
 
 def build():
@@ -43,7 +48,8 @@ def build():
                               keras.layers.Dense(4)])
     model.compile(keras.optimizers.Adam(0.01),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"],
+                  weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="w_acc")])
     return model
 
 
@@ -59,17 +65,22 @@ with strategy.scope():
 callbacks = [Die()]
 if args.backup:
     callbacks.append(BackupAndRestore(args.backup))
-model.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
-result = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
-predictions = model.predict(x, batch_size=16, verbose=0)
+args_fit = dict(batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=0)
+history = model.fit(x, y, sample_weight=w, callbacks=callbacks, **args_fit).history
+result = model.evaluate(x, y, sample_weight=w, batch_size=12, verbose=0, return_dict=True)
+predictions = model.predict(x, batch_size=BATCH, verbose=0)
 
 reference = build()
-reference.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0)
-expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+expected_history = reference.fit(x, y, sample_weight=w, **args_fit).history
+expected = reference.evaluate(x, y, sample_weight=w, batch_size=12, verbose=0, return_dict=True)
 diff = max(float(np.abs(a - b).max() / np.abs(b).max())
            for a, b in zip(model.get_weights(), reference.get_weights()))
-pred_diff = float(np.abs(predictions - reference.predict(x, batch_size=16, verbose=0)).max())
+history_diff = max(abs(a - b) for k in history for a, b in zip(history[k],
+                                                               expected_history[k][-len(history[k]):]))
+metrics_diff = max(abs(result[k] - expected[k]) for k in expected)
+pred_diff = float(np.abs(predictions - reference.predict(x, batch_size=BATCH, verbose=0)).max())
 print(f"task {task} chief={is_chief(strategy)}: weights rel diff {diff:.2e}, "
       f"predict diff {pred_diff:.2e}, predict rows {len(predictions)}, "
       f"loss {result['loss']:.6f} vs {expected['loss']:.6f}, "
-      f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}", flush=True)
+      f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}, "
+      f"history diff {history_diff:.2e}, evaluate diff {metrics_diff:.2e}", flush=True)

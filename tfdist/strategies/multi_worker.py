@@ -5,6 +5,8 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.cluster import ClusterConfig
+from tfdist.internal import install_keras_hooks
+from tfdist.internal.even_steps import wrap_mirrored_steps
 from tfdist.internal.keras_reduce import reduce_for_keras
 
 _IMPLEMENTATIONS = {
@@ -22,7 +24,10 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     collectives. Keras 3 calls `strategy.reduce` in two ways that
     `MultiWorkerMirroredStrategy` rejects (keras#20585); this strategy
     answers them (`tfdist.internal.keras_reduce`) and leaves every
-    other call to TensorFlow. TF_CONFIG is checked first (`tfdist.cluster.ClusterConfig`),
+    other call to TensorFlow. A partial batch (rows the replicas hold
+    unevenly, or none) trains and evaluates as on one device: Keras's losses
+    and metrics count the real rows of every replica (`tfdist.batch_rows`).
+    TF_CONFIG is checked first (`tfdist.cluster.ClusterConfig`),
     so a broken one fails with one clear message.
 
     Args:
@@ -44,6 +49,8 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             implementation=_IMPLEMENTATIONS[communication],
             timeout_seconds=timeout_seconds or None)
         super().__init__(cluster_resolver=cluster_resolver, communication_options=options)
+        install_keras_hooks()
+        wrap_mirrored_steps(self.extended)
 
     def reduce(self, reduce_op, value, axis):
         return reduce_for_keras(super().reduce, self, reduce_op, value, axis)
