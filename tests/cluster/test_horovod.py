@@ -122,9 +122,10 @@ def mesh_run(np_, mesh, models, timeout=400):
 
 
 @pytest.mark.parametrize("np_, mesh, models, local", [
-    (2, "data:1;model:2", "token_mlp,xc_head,moe,keras_options,sharded_options,mixed_bfloat16",
-     "(8, 16)"),   # one shard per rank
-    (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options", "(8, 32)"),  # pure data parallel
+    (2, "data:1;model:2", "token_mlp,xc_head,moe,keras_options,sharded_options,mixed_bfloat16,"
+     "partial_batches", "(8, 16)"),   # one shard per rank; partial batches padded
+    (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options,partial_batches",
+     "(8, 32)"),  # pure data parallel; partial batches counted, not padded
     (4, "data:2;model:2", "token_mlp", "(8, 16)"),             # process sets per axis
 ])
 def test_sharded_layers_on_a_mesh_over_ranks_match_one_device(np_, mesh, models, local):

@@ -24,6 +24,12 @@ only; for its step function (recognised by `tfdist.internal.keras_steps`)
 the outputs are all-gathered in rank order, so every rank's `predict` returns
 all rows in order.
 
+A partial batch reaches the ranks unevenly (a rank may get no row): Keras's
+train and test steps exchange the ranks' row counts (one Horovod all-gather)
+and count the real rows of every rank (`tfdist.internal.even_steps.counted_keras_step`);
+when the mesh splits a weight over ranks (so layers exchange activations),
+every rank is also padded to the largest, predictions included.
+
 With a mesh, rank `r` is mesh device `r`: a sharded weight is a
 `HorovodShardedVariable` holding only this rank's shard (cut from rank 0's
 global initial value), its gradient is summed over the ranks that hold the
@@ -37,6 +43,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
+from tfdist.internal.even_steps import counted_keras_step
 from tfdist.internal.keras_steps import is_keras_predict_step
 from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global
 
@@ -61,6 +68,9 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         self.backend = backend
         self._count = 0
         self._init_routing()
+        with tf.init_scope(), tf.device(device):  # a plain variable, not the strategy's
+            self._rows = tf.Variable(tf.zeros([hvd.size()], tf.int32), trainable=False,
+                                     name="tfdist_rank_rows")
 
     @property
     def _num_replicas_in_sync(self):
@@ -120,11 +130,32 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
 
     # -- outputs: Keras predict gets every rank's rows --------------------------
 
+    def _gather_counts(self, count):
+        """Every rank's rows, through a variable: Horovod's ops are not marked stateful,
+        so TF's shape inference would run this all-gather while *tracing* to learn the
+        padded shape it feeds (ranks hung there, each waiting for the others). A
+        variable read is never evaluated at trace time.
+
+        The name alone, without its name scope: the scope of an op in Keras's
+        nested step functions is not the same on every rank (one rank's
+        "StatefulPartitionedCall/tfdist_rows_64" waited for the other's "tfdist_rows_64").
+        """
+        gathered = self.hvd.allgather(count[tf.newaxis], name=f"tfdist_rows_{self._next()}",
+                                      ignore_name_scope=True)
+        with tf.control_dependencies([self._rows.assign(gathered)]):
+            return self._rows.read_value()
+
     def _call_for_each_replica(self, fn, args, kwargs):
+        if self.hvd.size() == 1:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        predict = is_keras_predict_step(fn)
+        fn, args = counted_keras_step(fn, args, kwargs, self._gather_counts,
+                                      pad=self._container_strategy().collective_weight_reads)
         out = super()._call_for_each_replica(fn, args, kwargs)
-        if self.hvd.size() > 1 and is_keras_predict_step(fn):
+        if predict:
             out = tf.nest.map_structure(
-                lambda t: self.hvd.allgather(self._local(t), name=f"tfdist_predict_{self._next()}"),
+                lambda t: self.hvd.allgather(self._local(t), name=f"tfdist_predict_{self._next()}",
+                                             ignore_name_scope=True),
                 out)
         return out
 
