@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/xc_processes.py
 	$(PY) bench/scaling.py
 	$(PY) bench/nmt.py
+	$(PY) bench/nmt_buckets.py
 	$(PY) bench/shape_keys.py
 
 # Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).
