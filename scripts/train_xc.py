@@ -93,18 +93,6 @@ def main(argv):
         x, y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
         x_test, y_test = synthetic_batch(np.random.default_rng(config.seed + 1),
                                          config.eval_examples, C, config.d_model, seed=config.seed)
-    from tfdist.strategies import MeshStrategy
-
-    eval_n = len(x_test)
-    if not isinstance(strategy, MeshStrategy):
-        # Only MeshStrategy evens out a partial batch (tfdist.batch_rows); elsewhere
-        # the replicas of a last partial batch would hold uneven rows.
-        eval_n = len(x_test) // config.batch_size * config.batch_size
-        if eval_n < len(x_test):
-            print(f"evaluating {eval_n} of the {len(x_test)} held-out examples: "
-                  f"--strategy={FLAGS.strategy} needs whole batches of {config.batch_size}")
-        x_test, y_test = x_test[:eval_n], y_test[:eval_n]
-
     keras.utils.set_random_seed(config.seed)
     chief = is_chief(strategy)
     with strategy.scope():
@@ -137,7 +125,7 @@ def main(argv):
     train_model.fit(train_x, y, batch_size=config.batch_size, shuffle=False, verbose=2, callbacks=callbacks)
     result = model.evaluate(x_test, y_test, batch_size=config.batch_size, verbose=0, return_dict=True)
     print(f"held-out top-1 {result['top1_accuracy']:.3f}, top-5 {result['top5_accuracy']:.3f} "
-          f"(loss {result['loss']:.3f}, {eval_n} examples)")
+          f"(loss {result['loss']:.3f}, {len(x_test)} examples)")
     if FLAGS.model_dir:
         checkpoint.save(model, checkpoint.final_path(FLAGS.model_dir))  # chief writes
     if FLAGS.model_dir and chief:

@@ -122,7 +122,8 @@ def mesh_run(np_, mesh, models, timeout=400):
 
 
 @pytest.mark.parametrize("np_, mesh, models, local", [
-    (2, "data:1;model:2", "token_mlp,xc_head,moe,keras_options,sharded_options,mixed_bfloat16,"
+    # keras_options trains the token MLP too (with Keras's options), so no token_mlp here.
+    (2, "data:1;model:2", "xc_head,moe,keras_options,sharded_options,mixed_bfloat16,"
      "partial_batches", "(8, 16)"),   # one shard per rank; partial batches padded
     (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options,partial_batches",
      "(8, 32)"),  # pure data parallel; partial batches counted, not padded
@@ -149,11 +150,13 @@ def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
     result = subprocess.run(
         [runner, "-np", "2", "--gloo", "-H", "localhost:2", sys.executable, "scripts/train_xc.py",
          "--strategy=horovod", "--mesh_shape=data:1;model:2", "--num_classes=2000",
-         "--d_model=32", "--steps=20", "--batch_size=64", f"--model_dir={tmp_path}"],
+         "--d_model=32", "--steps=20", "--batch_size=64", "--eval_examples=1001",
+         f"--model_dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     held_out = re.findall(r"held-out top-1 (\S+),", result.stdout)
     assert len(held_out) == 2 and held_out[0] == held_out[1]  # global evaluate on both ranks
     assert float(held_out[0]) > 0.3
+    assert result.stdout.count("1001 examples)") == 2  # every example: a last batch of 41
     assert result.stdout.count("(32, 2000) -> (32, 1000) per device") == 2
     assert sorted(os.listdir(tmp_path)) == ["config.json", "logs", "model.npz"]

@@ -60,13 +60,14 @@ def test_runs_over_two_worker_processes(strategy, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "tfdist.launch", "--num_workers", "2", "--", "scripts/train_xc.py",
          "--num_classes=2000", "--d_model=32", "--steps=20", "--batch_size=64",
-         f"--strategy={strategy}", f"--model_dir={tmp_path}"],
+         "--eval_examples=1001", f"--strategy={strategy}", f"--model_dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:]
     held_out = [l for l in result.stdout.splitlines() if "held-out top-1" in l]
     # The mesh's controller alone runs the program; data-parallel workers all do.
     assert len(held_out) == (1 if strategy == "mesh" else 2)
     assert float(held_out[0].split("top-1 ")[1].split(",")[0]) > 0.3
+    assert all("1001 examples" in line for line in held_out)  # a partial last batch of 41
     if strategy == "mesh":
         assert "(32, 2000) -> (32, 1000) per device" in result.stdout  # one shard per process
     assert sorted(os.listdir(tmp_path)) == ["config.json", "logs", "model.npz"]
