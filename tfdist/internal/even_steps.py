@@ -32,6 +32,39 @@ from tfdist.internal import keras_rows
 from tfdist.internal.keras_steps import keras_step_kind, keras_step_model
 
 
+def _step_kind(fn, args, kwargs, pad: bool):
+    """The Keras step kind of `fn` if its rows are to be counted (one data argument), else None.
+
+    A predict step is left alone unless its replicas are padded: it has no loss
+    to normalise, and its outputs are gathered as they are.
+    """
+    kind = keras_step_kind(fn)
+    if kind is None or len(args) != 1 or kwargs or (kind == "predict" and not pad):
+        return None
+    if kind != "predict":
+        keras_rows.track_real_rows(keras_step_model(fn))
+    return kind
+
+
+def _real_rows_total(everyone):
+    """The step's real rows over every replica (float32, at least one row)."""
+    return tf.maximum(tf.cast(tf.reduce_sum(everyone), tf.float32), 1.0)
+
+
+def _replica_part(data, count, n, pad: bool):
+    """`(data, mask, padded rows)` of one replica: padded to `n` rows, or as it is."""
+    if pad:
+        return batch_rows.pad_rows(data, n), tf.sequence_mask(count, n, dtype=tf.float32), n
+    return data, tf.ones([count], tf.float32), count
+
+
+def _run_on_rows(fn, kind, data, rows: batch_rows.Rows):
+    """`fn(data)` with `rows` current; a predict step's outputs cut to the real rows."""
+    with batch_rows.replica_rows(rows):
+        out = fn(data)
+    return batch_rows.real_rows(out, rows.count) if kind == "predict" else out
+
+
 def even_keras_step(fn, args, kwargs, devices: Sequence[str], pad: bool = True):
     """`(fn, args)` for `_call_for_each_replica`, evened out if `fn` is a Keras step.
 
@@ -44,9 +77,8 @@ def even_keras_step(fn, args, kwargs, devices: Sequence[str], pad: bool = True):
             rows, only the losses, metrics and loss tracker count the real rows
             of all replicas, and predict steps are left alone.
     """
-    kind = keras_step_kind(fn)
-    if kind is None or len(args) != 1 or kwargs or len(devices) == 1 or \
-            (kind == "predict" and not pad):
+    kind = _step_kind(fn, args, kwargs, pad) if len(devices) > 1 else None
+    if kind is None:
         return fn, args
     parts = [distribute_utils.select_replica(i, args[0]) for i in range(len(devices))]
     firsts = [batch_rows.first_batched(p) for p in parts]
@@ -62,22 +94,14 @@ def even_keras_step(fn, args, kwargs, devices: Sequence[str], pad: bool = True):
     with tf.device(devices[0]):
         everyone = tf.stack(counts)
         n = tf.reduce_max(everyone)
-        total = tf.maximum(tf.cast(tf.reduce_sum(everyone), tf.float32), 1.0)
+        total = _real_rows_total(everyone)
     even = []
     for device, part, count in zip(devices, parts, counts):
         with tf.device(device):
-            if pad:
-                mask = tf.sequence_mask(count, n, dtype=tf.float32)
-                even.append((batch_rows.pad_rows(part, n), mask, count, n))
-            else:
-                even.append((part, tf.ones([count], tf.float32), count, count))
-    if kind != "predict":
-        keras_rows.track_real_rows(keras_step_model(fn))
+            even.append((*_replica_part(part, count, n, pad), count))
 
-    def even_step(data, mask, count, padded):
-        with batch_rows.replica_rows(batch_rows.Rows(mask, count, padded, total)):
-            out = fn(data)
-        return batch_rows.real_rows(out, count) if kind == "predict" else out
+    def even_step(data, mask, padded, count):
+        return _run_on_rows(fn, kind, data, batch_rows.Rows(mask, count, padded, total))
 
     return even_step, tuple(distribute_utils.regroup(even))
 
@@ -93,8 +117,8 @@ def counted_keras_step(fn, args, kwargs, gather_counts, pad: bool):
             layers exchange activations between replicas); predictions are
             then cut back. Without it, predict steps are left alone.
     """
-    kind = keras_step_kind(fn)
-    if kind is None or len(args) != 1 or kwargs or (kind == "predict" and not pad):
+    kind = _step_kind(fn, args, kwargs, pad)
+    if kind is None:
         return fn, args
 
     def counted_step(data):
@@ -103,19 +127,10 @@ def counted_keras_step(fn, args, kwargs, gather_counts, pad: bool):
             return fn(data)
         count = tf.shape(first, out_type=tf.int32)[0]
         everyone = gather_counts(count)
-        total = tf.maximum(tf.cast(tf.reduce_sum(everyone), tf.float32), 1.0)
-        if pad:
-            n = tf.reduce_max(everyone)
-            data = batch_rows.pad_rows(data, n)
-            mask = tf.sequence_mask(count, n, dtype=tf.float32)
-        else:
-            n = count
-            mask = tf.ones([count], tf.float32)
-        if kind != "predict":
-            keras_rows.track_real_rows(keras_step_model(fn))
-        with batch_rows.replica_rows(batch_rows.Rows(mask, count, n, total)):
-            out = fn(data)
-        return batch_rows.real_rows(out, count) if kind == "predict" else out
+        n = tf.reduce_max(everyone) if pad else count
+        data, mask, padded = _replica_part(data, count, n, pad)
+        return _run_on_rows(fn, kind, data,
+                            batch_rows.Rows(mask, count, padded, _real_rows_total(everyone)))
 
     return counted_step, args
 
