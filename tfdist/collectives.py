@@ -132,11 +132,40 @@ def _all_gather(ctx, x, dim):
     @tf.custom_gradient
     def op(x):
         def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):  # a gathered weight read by `tf.gather`
+                return _sparse_reduce_scatter(ctx, dy, dim, x.shape)
             return _reduce_scatter(ctx, dy, dim)
 
         return _gather_on(ctx, x, dim), grad
 
     return op(x)
+
+
+def _sparse_reduce_scatter(ctx, dy, dim, local_shape):
+    """`reduce_scatter` of a sparse gradient (`IndexedSlices` over rows), kept sparse.
+
+    The sum of sparse gradients is the concatenation of their entries. Split
+    rows (`dim` 0): each device keeps the entries of its own rows, renumbered;
+    an entry of another device's rows becomes padding (index -1, value 0), so
+    that shapes stay static. Split columns: each device keeps its columns of
+    every entry. Padding entries are dropped before the optimizer sees the
+    gradient (`ShardRouting`), so they touch no row: Keras's optimizers treat
+    sparse gradients lazily (Adam updates the moments of the rows present only).
+    """
+    dim = dim % len(local_shape)
+    dense_shape = tf.constant(local_shape.as_list(), tf.int64)
+    indices = _gather_on(ctx, dy.indices, 0)
+    if dim == 0:
+        values = _gather_on(ctx, dy.values, 0)
+        rows = local_shape[0]
+        local = indices - tf.cast(ctx.index * rows, indices.dtype)
+        held = (indices >= 0) & (local >= 0) & (local < rows)
+        mask = tf.reshape(tf.cast(held, values.dtype), [-1] + [1] * (values.shape.rank - 1))
+        return tf.IndexedSlices(values * mask, tf.where(held, local, -tf.ones_like(local)),
+                                dense_shape)
+    received = _exchange(ctx, dy.values, dim)  # [M, n, ..., d / M, ...]
+    values = tf.concat(tf.unstack(received, num=ctx.size), axis=0)
+    return tf.IndexedSlices(values, indices, dense_shape)
 
 
 def _gather_on(ctx, x, dim):

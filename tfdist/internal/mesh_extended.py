@@ -38,7 +38,9 @@ from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import record
 from tensorflow.python.framework import ops
 
+from tfdist import weight_reads
 from tfdist.clipping import clip_global
+from tfdist.internal import keras_variables
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.mesh import TensorLayout
 
@@ -49,14 +51,18 @@ LAYOUT_KWARG = "tfdist_layout"
 class ShardedVariable(values.MirroredVariable):
     """A distributed variable whose component `i` is shard `i` of a global tensor.
 
-    In a replica it reads as the local shard; in cross-replica context (saving,
+    In a replica it reads as the local shard, or, for a weight laid out by a
+    Keras `LayoutMap` (`gather_on_read`), as the whole weight gathered from its
+    shards (FSDP: `tfdist.weight_reads`); in cross-replica context (saving,
     `get_weights`, Keras's symbolic build) it reads as the global tensor and
     assigning a global value splits it into shards.
     """
 
-    def __init__(self, strategy, values_list, aggregation, layout: TensorLayout):
+    def __init__(self, strategy, values_list, aggregation, layout: TensorLayout,
+                 gather_on_read: bool = False):
         super().__init__(strategy, values_list, aggregation)
         self._tfdist_layout = layout
+        self._tfdist_gather_on_read = gather_on_read
 
     @property
     def layout(self) -> TensorLayout:
@@ -76,10 +82,16 @@ class ShardedVariable(values.MirroredVariable):
             return None
         return values_util.get_current_replica_id_as_int()
 
+    @property
+    def gather_on_read(self) -> bool:
+        return self._tfdist_gather_on_read
+
     def _get(self):
         replica_id = self._local_replica_id()
         if replica_id is None:
             return self._get_cross_replica()
+        if self._tfdist_gather_on_read and distribute_lib.get_update_replica_id() is None:
+            return weight_reads.read_in_replica(self._tfdist_layout, self._values[replica_id])
         return self._values[replica_id]
 
     def _get_cross_replica(self):
@@ -172,6 +184,18 @@ def replica_tensors(structure):
     return out
 
 
+def _drop_padding(slices):
+    """`slices` without its padding entries (index -1, `tfdist.collectives`).
+
+    A sharded weight read whole (FSDP) or looked up on its shard gets padding
+    entries for rows other devices hold; they must touch no row, since Keras's
+    optimizers update only the rows a sparse gradient has (Adam's moments).
+    """
+    keep = slices.indices >= 0
+    return tf.IndexedSlices(tf.boolean_mask(slices.values, keep),
+                            tf.boolean_mask(slices.indices, keep), slices.dense_shape)
+
+
 def _dense(value, var, i):
     """A gradient as a dense tensor of component `i` of `var`'s static shape.
 
@@ -209,6 +233,9 @@ class ShardRouting:
     graph (a custom loop that all-reduced it over every replica) raises rather
     than training wrong. Needs `self.backend` and `self._devices` (local devices).
     """
+
+    keras_layouts = None
+    """A `tfdist.distribution.KerasLayouts`: layouts of Keras variables by path, or None."""
 
     def _init_routing(self):
         self._routed_graph = None
@@ -291,12 +318,23 @@ class ShardRouting:
     def _create_variable(self, next_creator, **kwargs):
         layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
+        gather_on_read = False
         if layout is None and isinstance(colocate_with, ShardedVariable):
             layout = self._slot_layout(colocate_with, kwargs)
+        elif layout is None and colocate_with is None and self.keras_layouts is not None:
+            # A Keras weight laid out by path (`tfdist.distribution`); any layer
+            # reads it whole (gathered) unless its call runs on shards.
+            keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
+            if keras_variable is not None:
+                layout = self.keras_layouts.layout(keras_variable.path, keras_variable.shape)
+                keras_variables.set_layout(keras_variable, layout)
+                gather_on_read = True
         if layout is None or not layout.is_sharded:
             return self._create_replicated_variable(next_creator, **kwargs)
         kwargs.pop("colocate_with", None)
-        return self._create_sharded_variable(next_creator, layout, **kwargs)
+        variable = self._create_sharded_variable(next_creator, layout, **kwargs)
+        variable._tfdist_gather_on_read = gather_on_read
+        return variable
 
     @staticmethod
     def _slot_layout(primary: ShardedVariable, kwargs):
@@ -394,7 +432,7 @@ class ShardRouting:
         # Per local replica: {group: [positions]} in variable order, last layer first
         # so that the first fused bucket is ready first in the backward pass.
         plan = [dict() for _ in range(n_local)]
-        sparse = []  # replicated weights' IndexedSlices: gathered, kept sparse
+        sparse = []  # IndexedSlices: gathered over the weight's owners, kept sparse
         routed = self._routed_set()
         components = []
         for k, (grad, var) in enumerate(grads_and_vars):
@@ -407,7 +445,7 @@ class ShardRouting:
             if isinstance(var, ShardedVariable):
                 routed.add(id(var))
                 groups = var.layout.shard_owner_groups()
-            elif all(isinstance(c, tf.IndexedSlices) for c in parts):
+            if all(isinstance(c, tf.IndexedSlices) for c in parts):
                 sparse.append(k)
                 continue
             for i in range(n_local):
@@ -422,7 +460,12 @@ class ShardRouting:
             index = self.mesh_device_index(i)
             with tf.device(self._devices[i]):
                 for k in sparse:
-                    reduced[k][i] = self._gather_slices(components[k][i], index, everyone)
+                    var = grads_and_vars[k][1]
+                    group = everyone
+                    if isinstance(var, ShardedVariable):
+                        group = next(g for g in var.layout.shard_owner_groups() if index in g)
+                    reduced[k][i] = _drop_padding(
+                        self._gather_slices(components[k][i], index, tuple(group)))
                 for group, positions in plan[i].items():
                     positions = positions[::-1]
                     dense = [_dense(components[k][i], grads_and_vars[k][1], i)
@@ -437,14 +480,17 @@ class ShardRouting:
     def _gather_slices(self, slices, index, group):
         """Every replica's `IndexedSlices` rows, concatenated in device order.
 
-        A replicated weight read with `tf.gather` (a Keras `Embedding`) gets an
+        A weight read with `tf.gather` (a Keras `Embedding`) gets an
         `IndexedSlices` gradient, one row per looked-up id. Keras's optimizers
         treat it sparsely (Adam updates the moments of those rows only), so it
-        must stay sparse: its sum over replicas is the concatenation of their
-        rows, the same rows in the same order as one device's gradient of the
-        whole batch (replicas hold consecutive slices of it), as MirroredStrategy
-        gathers it too.
+        must stay sparse: its sum over the replicas of `group` (all of them for
+        a replicated weight, a shard's owners for a sharded one) is the
+        concatenation of their rows, the same rows in the same order as one
+        device's gradient of the whole batch (replicas hold consecutive slices
+        of it), as MirroredStrategy gathers it too.
         """
+        if len(group) == 1:
+            return slices
         return tf.IndexedSlices(
             self.backend.all_gather(slices.values, index, group),
             self.backend.all_gather(slices.indices, index, group),

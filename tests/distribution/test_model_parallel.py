@@ -1,0 +1,221 @@
+"""tfdist.distribution.ModelParallel: plain Keras models split by a LayoutMap, exact."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist.distribution as td
+from tfdist.testing.equivalence import assert_equivalent
+from tfdist.testing.memory import device_bytes
+
+VOCAB, LENGTH, D = 32, 6, 16
+
+
+def functional_model():
+    """Embedding, MultiHeadAttention, LayerNormalization and Dense: plain Keras."""
+    ids = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, D, name="token")(ids)
+    # No biases: a key bias has an exactly-zero gradient (softmax ignores it), which
+    # float noise and Adam turn into steps of the learning rate on any two machines.
+    attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=4, use_bias=False,
+                                               name="mha")(x, x)
+    x = keras.layers.LayerNormalization(name="ln")(x + attended)
+    x = keras.layers.EinsumDense("btd,de->bte", (LENGTH, D), bias_axes="e", name="mix")(x)
+    h = keras.layers.Dense(32, activation="relu", name="ffn_up")(x)
+    x = x + keras.layers.Dense(D, name="ffn_down")(h)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(ids, keras.layers.Dense(5, name="head")(x))
+
+
+def functional_layout_map(mesh):
+    layout_map = td.LayoutMap(mesh)
+    layout_map["token/embeddings"] = ("model", "batch")  # vocabulary split + FSDP
+    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)  # heads
+    layout_map["mha/attention_output/kernel"] = ("model", None, "batch")
+    layout_map["mix/kernel"] = ("batch", "model")
+    layout_map["mix/bias"] = ("model",)
+    layout_map["ln/gamma"] = ("model",)  # a layer tfdist does not split: FSDP
+    layout_map["ffn_up/kernel"] = ("batch", "model")
+    layout_map["ffn_down/kernel"] = ("model", None)
+    layout_map["head/kernel"] = ("model",)  # shorter than the rank: (model, None)
+    return layout_map
+
+
+def keras_mesh(shape):
+    n = int(np.prod(shape))
+    return td.DeviceMesh(shape, ("batch", "model"), [f"cpu:{i}" for i in range(n)])
+
+
+def data(n=80, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, VOCAB, (n, LENGTH)).astype("int32"),
+            rng.integers(0, 5, (n,)).astype("int32"))
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 2)])
+def test_a_functional_keras_model_matches_one_device(shape):
+    strategy = td.ModelParallel(layout_map=functional_layout_map(keras_mesh(shape)),
+                                batch_dim_name="batch")
+    x, y = data()
+    report = assert_equivalent(
+        functional_model, strategy, x, y, reference=functional_model,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=lambda: keras.optimizers.Adam(1e-2), batch_size=8, steps=10)
+    print(shape, report)
+
+
+def test_weights_and_slots_are_stored_one_shard_per_device():
+    strategy = td.ModelParallel(layout_map=functional_layout_map(keras_mesh((2, 2))))
+    with strategy.scope():
+        model = functional_model()
+        model.compile(keras.optimizers.Adam(), "mse")
+        model.optimizer.build(model.trainable_variables)
+    reference = functional_model()
+    reference.compile(keras.optimizers.Adam(), "mse")
+    reference.optimizer.build(reference.trainable_variables)
+    kernel = next(v for v in model.weights if v.path == "token/embeddings")
+    assert [tuple(c.shape) for c in kernel.value.values] == [(VOCAB // 2, D // 2)] * 4
+    slot = next(v for v in model.optimizer.variables if "token_embeddings" in v.path)
+    assert [tuple(c.shape) for c in slot.value.values] == [(VOCAB // 2, D // 2)] * 4
+    ln = next(v for v in model.weights if v.path == "ln/gamma")
+    assert [tuple(c.shape) for c in ln.value.values] == [(D // 2,)] * 4
+    per_device = [device_bytes(model, i) for i in range(4)]
+    assert len(set(per_device)) == 1 and per_device[0] < 0.45 * device_bytes(reference)
+
+
+def test_save_and_load_onto_another_mesh_and_into_plain_keras(tmp_path):
+    x, _ = data(16)
+    strategy = td.ModelParallel(layout_map=functional_layout_map(keras_mesh((2, 2))))
+    with strategy.scope():
+        model = functional_model()
+    expected = model.predict(x, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    np.testing.assert_allclose(plain.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-6)
+    other = td.ModelParallel(layout_map=functional_layout_map(keras_mesh((1, 4))))
+    with other.scope():
+        loaded = keras.models.load_model(path)
+    shards = next(v for v in loaded.weights if v.path == "ffn_up/kernel").value.values
+    assert [tuple(c.shape) for c in shards] == [(D, 8)] * 4
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-6)
+
+
+@keras.saving.register_keras_serializable(package="tfdist_tests")
+class Bilinear(keras.layers.Layer):
+    """A layer tfdist has never seen: y = x W + x * v."""
+
+    def build(self, input_shape):
+        d = input_shape[-1]
+        self.w = self.add_weight(name="w", shape=(d, d), initializer="glorot_uniform")
+        self.v = self.add_weight(name="v", shape=(d,), initializer="ones")
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.w) + x * self.v
+
+
+def custom_model():
+    inputs = keras.Input((D,))
+    x = Bilinear(name="custom")(inputs)
+    x = keras.layers.Dense(D, activation="tanh", name="dense")(x)
+    return keras.Model(inputs, Bilinear(name="custom_out")(x))
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
+def test_a_custom_layer_trains_exactly_through_fsdp(shape):
+    layout_map = td.LayoutMap(keras_mesh(shape))
+    layout_map["custom.*/w"] = ("model", "batch")
+    layout_map["custom.*/v"] = ("model",)
+    strategy = td.ModelParallel(layout_map=layout_map)
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(64, D)).astype("float32"), rng.normal(size=(64, D)).astype("float32")
+    assert_equivalent(custom_model, strategy, x, y, reference=custom_model,
+                      loss=keras.losses.MeanSquaredError(),
+                      optimizer=lambda: keras.optimizers.Adam(1e-2), batch_size=8, steps=8)
+
+
+class OtherDense(keras.layers.Dense):
+    """A Dense subclass: tfdist cannot know its call is Dense's, so it is FSDP."""
+
+
+def _gathered_shapes(strategy, layer_class):
+    """Shapes of every all-gather traced by one training step of a two-layer model."""
+    shapes = []
+    backend = strategy.backend
+    original = backend.all_gather
+
+    def recording(x, *args, **kwargs):
+        shapes.append(tuple(x.shape.as_list()))
+        return original(x, *args, **kwargs)
+
+    backend.all_gather = recording
+    with strategy.scope():
+        inputs = keras.Input((12,))
+        outputs = layer_class(20, name="up")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3, name="out")(outputs))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.ones((16, 12), "float32")
+    model.fit(x, np.ones((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
+    return shapes
+
+
+def test_a_tensor_parallel_weight_is_never_gathered():
+    def strategy():
+        layout_map = td.LayoutMap(keras_mesh((1, 2)))
+        layout_map["up/kernel"] = (None, "model")  # [12, 20] -> shards [12, 10]
+        return td.ModelParallel(layout_map=layout_map)
+
+    shard = (1, 12, 10)  # the backend gathers x[tf.newaxis]
+    assert shard in _gathered_shapes(strategy(), OtherDense)  # FSDP gathers it
+    tensor_parallel = _gathered_shapes(strategy(), keras.layers.Dense)
+    assert tensor_parallel and shard not in tensor_parallel  # only activations move
+
+
+@pytest.mark.parametrize("key, layout, fragment", [
+    ("ffn_up/kernel", ("batch", "model", None),
+     "Variable 'ffn_up/kernel' of shape (16, 32): its layout ('batch', 'model', None) "
+     "has 3 dimensions, more than the variable's rank 2"),
+    ("head/kernel", (None, "model"),
+     "Variable 'head/kernel' of shape (16, 5): dimension of size 5 does not divide by "
+     "mesh axis 'model' of size 2"),
+    ("ffn_up/kernel", ("model", "model"),
+     "splits two dimensions over mesh axis 'model'"),
+])
+def test_bad_layouts_name_the_variable_before_any_step(key, layout, fragment):
+    layout_map = td.LayoutMap(keras_mesh((2, 2)))
+    layout_map[key] = layout
+    with pytest.raises(ValueError) as error:
+        strategy = td.ModelParallel(layout_map=layout_map)
+        with strategy.scope():
+            functional_model()
+    assert fragment in str(error.value)
+
+
+def test_a_path_matching_two_keys_and_a_layout_map_of_another_mesh_are_errors():
+    layout_map = td.LayoutMap(keras_mesh((2, 2)))
+    layout_map["ffn_up/.*"] = (None, "model")  # (an exact key would win, as in Keras)
+    layout_map["ffn.*kernel"] = ("model", None)
+    strategy = td.ModelParallel(layout_map=layout_map)
+    with pytest.raises(ValueError, match="matches multiple layout specification keys"):
+        with strategy.scope():
+            functional_model()
+    other = td.LayoutMap(keras_mesh((1, 2)))
+    other["ffn_up/kernel"] = keras.distribution.TensorLayout((None, "model"),
+                                                             keras_mesh((2, 2)))
+    with pytest.raises(ValueError, match="build the LayoutMap from the same DeviceMesh"):
+        td.ModelParallel(layout_map=other)
+
+
+def test_keras_distribution_objects_become_tfdist_strategies():
+    mesh = keras_mesh((2, 2))
+    layout_map = functional_layout_map(mesh)
+    strategy = td.from_keras(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                              batch_dim_name="batch"))
+    assert isinstance(strategy, td.ModelParallel) and strategy.layout_map is layout_map
+    assert strategy.mesh.shape.to_string() == "batch:2;model:2"
+    data_parallel = td.from_keras(keras.distribution.DataParallel(
+        device_mesh=td.DeviceMesh((4,), ("batch",), [f"cpu:{i}" for i in range(4)])))
+    assert isinstance(data_parallel, td.DataParallel) and data_parallel.num_replicas_in_sync == 4
+    with pytest.raises(ValueError, match="DeviceMesh device 'cpu:99' is not a device"):
+        td.ModelParallel(layout_map=td.LayoutMap(td.DeviceMesh((1,), ("batch",), ["cpu:99"])))

@@ -1,0 +1,205 @@
+"""tfdist.internal.keras_tensor_parallel: each registry entry against the installed Keras."""
+
+import inspect
+import textwrap
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist.distribution as td
+from tfdist.internal import keras_tensor_parallel, keras_variables
+from tfdist.internal.keras_distribution import layout_map_of
+
+# The calls the tensor-parallel versions reproduce, as Keras 3.15 writes them. A
+# Keras upgrade that changes one fails here first: re-read it and update the entry.
+KERAS_CALLS = {
+    keras.layers.Dense: """
+        def call(self, inputs, training=None):
+            x = ops.matmul(inputs, self.kernel)
+            if self.bias is not None:
+                x = ops.add(x, self.bias)
+            if self.activation is not None:
+                x = self.activation(x)
+            return x
+        """,
+    keras.layers.EinsumDense: """
+        def call(self, inputs, training=None):
+            x = ops.einsum(self.equation, inputs, self.kernel)
+            if self.bias is not None:
+                x = ops.add(x, self.bias)
+            if self.activation is not None:
+                x = self.activation(x)
+            return x
+        """,
+    keras.layers.Embedding: """
+        def call(self, inputs):
+            if inputs.dtype != "int32" and inputs.dtype != "int64":
+                inputs = ops.cast(inputs, "int32")
+            outputs = ops.take(self.embeddings, inputs, axis=0)
+            return ops.cast(outputs, dtype=self.compute_dtype)
+        """,
+}
+
+
+def _original(cls):
+    call = cls.__dict__["call"]
+    return getattr(call, "_tfdist_original", call)
+
+
+@pytest.mark.parametrize("cls", list(KERAS_CALLS), ids=lambda c: c.__name__)
+def test_the_replaced_calls_are_the_ones_the_registry_reproduces(cls):
+    assert textwrap.dedent(inspect.getsource(_original(cls))).strip() == \
+        textwrap.dedent(KERAS_CALLS[cls]).strip()
+
+
+def test_reversible_embedding_is_keras_own_and_its_reverse_call_is_a_matmul():
+    assert issubclass(keras_hub.layers.ReversibleEmbedding, keras.layers.ReversibleEmbedding)
+    assert "call" not in keras_hub.layers.ReversibleEmbedding.__dict__
+    source = inspect.getsource(_original(keras.layers.ReversibleEmbedding))
+    for line in ("result = super().call(inputs)", "kernel = ops.transpose(self.embeddings)",
+                 "logits = ops.matmul(inputs, kernel)", "ops.tanh(ops.divide(logits, soft_cap))"):
+        assert line in source
+
+
+def test_install_is_idempotent_and_keeps_the_signatures():
+    keras_tensor_parallel.install()
+    keras_tensor_parallel.install()
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding,
+                keras.layers.ReversibleEmbedding):
+        call = cls.__dict__["call"]
+        assert call._tfdist_original is not None
+        assert getattr(call._tfdist_original, "_tfdist_original", None) is None
+        assert inspect.signature(call) == inspect.signature(call._tfdist_original)
+
+
+def test_the_keras_variable_and_layout_map_hooks():
+    seen = []
+
+    def creator(next_creator, **kwargs):
+        seen.append(keras_variables.keras_variable_of(kwargs["initial_value"]))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        layer = keras.layers.Dense(3, name="probe")
+        layer.build((2, 4))
+    assert [(v.path, tuple(v.shape)) for v in seen] == [("probe/kernel", (4, 3)),
+                                                        ("probe/bias", (3,))]
+    assert keras_variables.keras_variable_of(lambda: 0.0) is None
+    mesh = td.DeviceMesh((2,), ("batch",), ["cpu:0", "cpu:1"])
+    layout_map = td.LayoutMap(mesh)
+    assert layout_map_of(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
+
+
+def _strategy(shape, layouts):
+    n = int(np.prod(shape))
+    layout_map = td.LayoutMap(td.DeviceMesh(shape, ("batch", "model"),
+                                            [f"cpu:{i}" for i in range(n)]))
+    for key, value in layouts.items():
+        layout_map[key] = value
+    return td.ModelParallel(layout_map=layout_map)
+
+
+def _global_gradient(var, parts):
+    layout = getattr(var.value, "layout", None)
+    if layout is None:
+        return np.sum(parts, axis=0)
+    full = np.zeros(layout.shape)
+    for group in layout.shard_owner_groups():
+        full[layout.shard_slices(group[0])] = np.sum([parts[i] for i in group], axis=0)
+    return full
+
+
+def _sharded_run(strategy, layer, x, probe, call_kwargs):
+    """Output rows, global gradients of sum(output * probe), and the shapes all-gathered."""
+    n = strategy.num_replicas_in_sync
+    rows = x.shape[0] // n
+    gathered = []
+    backend = strategy.backend
+    original = backend.all_gather
+
+    def recording(value, *args, **kwargs):
+        gathered.append(tuple(value.shape.as_list()))
+        return original(value, *args, **kwargs)
+
+    def replica():
+        i = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        xs, ps = x[i * rows:(i + 1) * rows], probe[i * rows:(i + 1) * rows]
+        with tf.GradientTape() as tape:
+            y = layer(xs, **call_kwargs)
+            loss = tf.reduce_sum(y * tf.cast(ps, y.dtype))
+        return y, tape.gradient(loss, [v.value for v in layer.trainable_weights])
+
+    backend.all_gather = recording
+    try:
+        y, grads = tf.function(lambda: strategy.run(replica))()
+    finally:
+        backend.all_gather = original
+    outputs = np.concatenate([t.numpy() for t in strategy.experimental_local_results(y)])
+    grads = [_global_gradient(v, [tf.convert_to_tensor(g).numpy()
+                                  for g in strategy.experimental_local_results(grad)])
+             for v, grad in zip(layer.trainable_weights, grads)]
+    return outputs, grads, gathered
+
+
+CASES = {
+    "dense_column": (lambda: keras.layers.Dense(12, activation="relu", name="l"),
+                     {"l/kernel": (None, "model")}, (8, 3, 10), {}),
+    "dense_row": (lambda: keras.layers.Dense(6, name="l"), {"l/kernel": ("model", None)},
+                  (8, 10), {}),
+    "dense_row_fsdp": (lambda: keras.layers.Dense(6, name="l"),
+                       {"l/kernel": ("model", "batch")}, (8, 10), {}),
+    "einsum_column": (lambda: keras.layers.EinsumDense("btd,dnh->btnh", (3, 4, 5), bias_axes="nh",
+                                                       name="l"),
+                      {"l/kernel": (None, "model", None), "l/bias": ("model",)}, (8, 3, 10),
+                      {}),
+    "einsum_row": (lambda: keras.layers.EinsumDense("btnh,nhd->btd", (3, 6), bias_axes="d",
+                                                    activation="tanh", name="l"),
+                   {"l/kernel": ("model", None, "batch")}, (8, 3, 4, 5), {}),
+    "embedding_vocab": (lambda: keras.layers.Embedding(20, 6, name="l"),
+                        {"l/embeddings": ("model", "batch")}, (8, 5), {}),
+    "embedding_features": (lambda: keras.layers.Embedding(20, 6, name="l"),
+                           {"l/embeddings": (None, "model")}, (8, 5), {}),
+    "reverse_tied": (lambda: keras_hub.layers.ReversibleEmbedding(20, 6, logit_soft_cap=3.0,
+                                                                  name="l"),
+                     {"l/embeddings": ("model", None)}, (8, 5, 6), {"reverse": True}),
+}
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_entry_equals_the_keras_call_and_gathers_no_tensor_parallel_weight(case, shape):
+    make, layouts, x_shape, call_kwargs = CASES[case]
+    rng = np.random.default_rng(0)
+    if case.startswith("embedding"):
+        x = rng.integers(0, 20, x_shape).astype("int32")
+    else:
+        x = rng.normal(size=x_shape).astype("float32")
+    reference = make()
+    if case == "reverse_tied":
+        reference.build((None, 5))
+    else:
+        reference.build(x_shape)
+    strategy = _strategy(shape, layouts)
+    with strategy.scope():
+        layer = make()
+        layer.build((None, 5) if case == "reverse_tied" else x_shape)
+    layer.set_weights(reference.get_weights())
+    probe = rng.normal(size=reference.compute_output_shape(x_shape)
+                       if case != "reverse_tied" else x_shape[:-1] + (20,))
+    with tf.GradientTape() as tape:
+        expected = reference(x, **call_kwargs)
+        loss = tf.reduce_sum(expected * probe)
+    expected_grads = tape.gradient(loss, reference.trainable_weights)
+    outputs, grads, gathered = _sharded_run(strategy, layer, x, probe, call_kwargs)
+    np.testing.assert_allclose(outputs, expected.numpy(), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, tf.convert_to_tensor(want).numpy(), rtol=1e-5,
+                                   atol=1e-5)
+    for var in layer.trainable_weights:
+        layout = var.value.layout if hasattr(var.value, "layout") else None
+        if layout is not None and "batch" not in layout.sharded_mesh_axes:
+            shard = (1,) + tuple(var.value.values[0].shape)
+            assert shard not in gathered, f"{var.path} was gathered: {gathered}"

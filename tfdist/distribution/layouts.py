@@ -1,0 +1,92 @@
+"""Keras `LayoutMap` layouts lowered onto a tfdist mesh, checked by variable path."""
+
+from typing import Optional, Sequence, Tuple
+
+from tfdist.mesh import MeshShape, TensorLayout
+
+
+def keras_mesh_shape(device_mesh) -> MeshShape:
+    """The tfdist `MeshShape` of a `keras.distribution.DeviceMesh` (its names and sizes)."""
+    names = tuple(device_mesh.axis_names)
+    sizes = tuple(int(n) for n in device_mesh.shape)
+    if len(names) != len(sizes):
+        raise ValueError(f"DeviceMesh axis_names={names} and shape={sizes} differ in length.")
+    return MeshShape.parse(";".join(f"{a}:{n}" for a, n in zip(names, sizes)))
+
+
+class KerasLayouts:
+    """The layouts a Keras `LayoutMap` gives variables, as tfdist `TensorLayout`s.
+
+    Keras's semantics: keys are regexes searched in `variable.path`; a path
+    matching two keys is an error; a path matching none is replicated. A
+    layout may be shorter than the variable's rank (the trailing dimensions
+    are replicated, as a JAX `PartitionSpec`), never longer.
+
+    Args:
+        layout_map: a `keras.distribution.LayoutMap` (or None: all replicated).
+        mesh_shape: the tfdist `MeshShape` of the strategy's mesh.
+        batch_axis: the mesh axis the batch is named after (`batch_dim_name`);
+            weights split over it are always gathered when read (FSDP).
+    """
+
+    def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str):
+        self.layout_map = layout_map
+        self.mesh_shape = mesh_shape
+        if batch_axis not in mesh_shape.names:
+            raise ValueError(f"batch_dim_name={batch_axis!r} is not an axis of the mesh "
+                             f"{mesh_shape}; its axes are {list(mesh_shape.names)}.")
+        self.batch_axis = batch_axis
+        for key, spec in ([] if layout_map is None else layout_map.items()):
+            self._check_spec(spec, f"LayoutMap key {key!r}")
+
+    def _check_spec(self, spec, what):
+        mesh = getattr(spec, "device_mesh", None)
+        if mesh is not None and (tuple(mesh.axis_names) != self.mesh_shape.names or
+                                 tuple(int(n) for n in mesh.shape) != self.mesh_shape.sizes):
+            raise ValueError(
+                f"{what} is laid out on a DeviceMesh of shape {tuple(mesh.shape)} with axes "
+                f"{tuple(mesh.axis_names)}, but the strategy's mesh is {self.mesh_shape}: "
+                f"build the LayoutMap from the same DeviceMesh.")
+        axes = tuple(getattr(spec, "axes", spec))
+        for axis in axes:
+            if axis is not None and axis not in self.mesh_shape.names:
+                raise ValueError(
+                    f"{what}: layout {axes} names mesh axis {axis!r}, which the mesh "
+                    f"{self.mesh_shape} does not have; valid axes are "
+                    f"{list(self.mesh_shape.names)} (or None).")
+        used = [a for a in axes if a is not None]
+        dupes = sorted({a for a in used if used.count(a) > 1})
+        if dupes:
+            raise ValueError(f"{what}: layout {axes} splits two dimensions over mesh axis "
+                             f"{dupes[0]!r}; a tensor may split each mesh axis at most once.")
+        return axes
+
+    def layout(self, path: str, shape: Sequence[int]) -> Optional[TensorLayout]:
+        """The layout of the variable at `path` of global `shape`, or None (replicated).
+
+        Raises:
+            ValueError: naming `path`, if two keys match it, the layout is longer
+                than the variable's rank, or a dimension does not divide.
+        """
+        if self.layout_map is None:
+            return None
+        spec = self.layout_map[path]  # Keras raises if two keys match
+        if spec is None:
+            return None
+        shape = tuple(int(n) for n in shape)
+        what = f"Variable {path!r} of shape {shape}"
+        axes = self._check_spec(spec, what)
+        if len(axes) > len(shape):
+            raise ValueError(
+                f"{what}: its layout {axes} has {len(axes)} dimensions, more than the "
+                f"variable's rank {len(shape)}; give at most one mesh axis (or None) per "
+                f"dimension.")
+        axes = axes + (None,) * (len(shape) - len(axes))
+        for n, axis in zip(shape, axes):
+            if axis is not None and n % self.mesh_shape.axis_size(axis):
+                raise ValueError(
+                    f"{what}: dimension of size {n} does not divide by mesh axis {axis!r} "
+                    f"of size {self.mesh_shape.axis_size(axis)} (layout {axes}); use a size "
+                    f"that is a multiple of {self.mesh_shape.axis_size(axis)} or lay that "
+                    f"dimension out on another axis (or None).")
+        return TensorLayout((None,) * len(shape), shape, axes, self.mesh_shape)

@@ -1,0 +1,160 @@
+"""keras.distribution's `ModelParallel` and `DataParallel`, as tfdist strategies on TF."""
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.distribution.layouts import KerasLayouts, keras_mesh_shape
+from tfdist.internal import keras_distribution, keras_tensor_parallel
+from tfdist.mesh import LayoutRules, Mesh
+from tfdist.strategies.mesh_strategy import MeshStrategy
+
+
+def _tf_devices(device_mesh) -> Optional[list]:
+    """The TF device names of a Keras `DeviceMesh`'s devices (row-major), or None.
+
+    Keras names devices `"cpu:0"`, `"gpu:1"` (or backend device objects); each
+    must be one of this process's logical devices.
+    """
+    names = [str(getattr(d, "name", d)) for d in np.asarray(device_mesh.devices).flatten()]
+    found = {}
+    for kind in ("CPU", "GPU"):
+        for i, device in enumerate(tf.config.list_logical_devices(kind)):
+            found[f"{kind.lower()}:{i}"] = device.name
+            found[device.name.lower()] = device.name
+    out = []
+    for name in names:
+        key = name.lower()
+        key = key.split("device:")[-1] if "device:" in key and key not in found else key
+        if key not in found:
+            raise ValueError(
+                f"DeviceMesh device {name!r} is not a device of this process; its devices "
+                f"are {sorted(k for k in found if ':' in k and '/' not in k)}.")
+        out.append(found[key])
+    return out
+
+
+class ModelParallel(MeshStrategy):
+    """Keras's `ModelParallel` on TensorFlow: any Keras model, weights split by a `LayoutMap`.
+
+    A `tf.distribute` strategy (a tfdist `MeshStrategy`) over the devices of the
+    `LayoutMap`'s `DeviceMesh`, one replica per device. Every variable whose
+    `path` a `LayoutMap` key matches is *stored* as one shard per device (its
+    optimizer slots too), for every Keras layer:
+
+    - Layers whose computation tfdist runs on shards (`Dense`, `EinsumDense`,
+      `Embedding`, `ReversibleEmbedding`; `MultiHeadAttention` and keras-hub
+      attention through their `EinsumDense` projections) compute with the
+      weight's shard and exchange activations (tensor parallelism): the weight
+      is never gathered over that mesh axis.
+    - Every other layer reads the whole weight, all-gathered from its shards,
+      and its gradient is reduce-scattered to them (FSDP); so is any dimension
+      laid out on the batch axis.
+
+    Results are those of one device. The global batch is split over every
+    replica (so replicas along the model axes hold different rows, and no
+    computation is repeated); losses that sum or average over examples are
+    exact. Checkpoints hold global tensors and load onto any mesh or into a
+    plain Keras model.
+
+    Args:
+        device_mesh: a `keras.distribution.DeviceMesh` (default: the layout
+            map's).
+        layout_map: a `keras.distribution.LayoutMap` (regex keys over
+            `variable.path`; a path matching two keys is an error; no match
+            means replicated), e.g. a keras-hub backbone's `get_layout_map(mesh)`.
+        batch_dim_name: the mesh axis named after the batch (default: the
+            mesh's first axis). Weights split over it are FSDP.
+        devices: TF device names overriding the `DeviceMesh`'s.
+        **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
+            `max_shapes`).
+
+    Example:
+
+    ```python
+    devices = [f"cpu:{i}" for i in range(4)]
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    strategy = tfdist.distribution.ModelParallel(layout_map=layout_map,
+                                                 batch_dim_name="batch")
+    with strategy.scope():
+        model = keras_hub.models.GemmaBackbone(...)
+        model.compile(...)
+    model.fit(...)
+    ```
+    """
+
+    def __init__(
+        self,
+        device_mesh=None,
+        layout_map=None,
+        batch_dim_name: Optional[str] = None,
+        devices: Union[None, str, Sequence[str]] = None,
+        **options,
+    ):
+        if device_mesh is None and layout_map is None:
+            raise ValueError("ModelParallel needs a layout_map (or a device_mesh); received "
+                             "neither.")
+        if device_mesh is None:
+            device_mesh = layout_map.device_mesh
+        mesh_shape = keras_mesh_shape(device_mesh)
+        batch_dim_name = batch_dim_name or mesh_shape.names[0]
+        layouts = KerasLayouts(layout_map, mesh_shape, batch_dim_name)  # checked first
+        if devices is None:
+            devices = _tf_devices(device_mesh)
+        super().__init__(Mesh(mesh_shape, LayoutRules(())), devices=devices, **options)
+        keras_tensor_parallel.install()
+        self.extended.keras_layouts = layouts
+        self.device_mesh = device_mesh
+        self.layout_map = layout_map
+        self.batch_dim_name = batch_dim_name
+
+    def __repr__(self):
+        return f"ModelParallel(mesh {self.mesh.shape}, batch_dim_name={self.batch_dim_name!r})"
+
+
+class DataParallel(ModelParallel):
+    """Keras's `DataParallel` on TensorFlow: every weight replicated, the batch split.
+
+    Args:
+        device_mesh: a one-axis `keras.distribution.DeviceMesh` (default: a
+            mesh `batch` over `devices`, or over every device of one kind).
+        devices: TF device names, "cpu"/"gpu", or None (GPUs if any).
+        **options: `MeshStrategy` options.
+    """
+
+    def __init__(self, device_mesh=None, devices=None, **options):
+        if device_mesh is None:
+            import keras
+
+            if devices is None or isinstance(devices, str):
+                kind = (devices or ("GPU" if tf.config.list_logical_devices("GPU") else
+                                    "CPU")).upper()
+                devices = [d.name for d in tf.config.list_logical_devices(kind)]
+            device_mesh = keras.distribution.DeviceMesh((len(devices),), ("batch",), devices)
+        if len(device_mesh.shape) != 1:
+            raise ValueError(f"DataParallel takes a one-axis DeviceMesh; received shape "
+                             f"{tuple(device_mesh.shape)} with axes {device_mesh.axis_names}.")
+        super().__init__(device_mesh=device_mesh, layout_map=None, devices=devices, **options)
+
+    def __repr__(self):
+        return f"DataParallel(mesh {self.mesh.shape})"
+
+
+def from_keras(distribution, **options) -> ModelParallel:
+    """The tfdist strategy for a `keras.distribution.ModelParallel` or `DataParallel`.
+
+    Args:
+        distribution: the Keras distribution object.
+        **options: `MeshStrategy` options.
+    """
+    import keras
+
+    if isinstance(distribution, keras.distribution.ModelParallel):
+        return ModelParallel(layout_map=keras_distribution.layout_map_of(distribution),
+                             batch_dim_name=distribution.batch_dim_name, **options)
+    if isinstance(distribution, keras.distribution.DataParallel):
+        return DataParallel(device_mesh=distribution.device_mesh, **options)
+    raise TypeError(f"from_keras takes a keras.distribution.ModelParallel or DataParallel; "
+                    f"received {distribution!r}.")
