@@ -160,3 +160,21 @@ def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
     assert result.stdout.count("1001 examples)") == 2  # every example: a last batch of 41
     assert result.stdout.count("(32, 2000) -> (32, 1000) per device") == 2
     assert sorted(os.listdir(tmp_path)) == ["config.json", "logs", "model.npz"]
+
+
+KERAS_HUB_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_keras_hub_job.py")
+
+
+@pytest.mark.parametrize("shape", ["1x2", "2x1"])
+def test_a_keras_hub_backbone_with_its_layout_map_over_ranks_matches_one_process(shape):
+    runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    result = subprocess.run([runner, "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
+                             KERAS_HUB_JOB, shape], capture_output=True, text=True, timeout=400,
+                            cwd=ROOT, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    lines = re.findall(rf"rank (\d) gemma {shape}: (.*); bytes (\d+) of (\d+)", result.stdout)
+    assert sorted(int(r) for r, *_ in lines) == [0, 1], result.stdout[-2000:]
+    for _, report, held, total in lines:
+        assert int(held) < 0.75 * int(total)  # embeddings and kernels split over the ranks
+        print(f"gemma {shape} over 2 ranks: {report}; {held} of {total} bytes per rank")

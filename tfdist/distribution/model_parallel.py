@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribution.layouts import KerasLayouts, keras_mesh_shape
-from tfdist.internal import keras_distribution, keras_tensor_parallel
+from tfdist.internal import keras_distribution, keras_hub_moe_loss, keras_tensor_parallel
 from tfdist.mesh import LayoutRules, Mesh
 from tfdist.strategies.mesh_strategy import MeshStrategy
 
@@ -105,6 +105,7 @@ class ModelParallel(MeshStrategy):
             devices = _tf_devices(device_mesh)
         super().__init__(Mesh(mesh_shape, LayoutRules(())), devices=devices, **options)
         keras_tensor_parallel.install()
+        keras_hub_moe_loss.install()
         self.extended.keras_layouts = layouts
         self.device_mesh = device_mesh
         self.layout_map = layout_map

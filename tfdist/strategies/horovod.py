@@ -6,7 +6,8 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
-from tfdist.internal import install_keras_hooks
+from tfdist.distribution.layouts import KerasLayouts, keras_mesh_shape
+from tfdist.internal import install_keras_hooks, keras_hub_moe_loss, keras_tensor_parallel
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.mesh import Mesh
@@ -48,6 +49,12 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             for 8 ranks; its sizes must multiply to the number of ranks.
             Default: `"data:<ranks>"` (pure data parallelism).
         layout: Mesh-TF layout rules, e.g. `"batch:data;d_ff:model"`.
+        layout_map: a `keras.distribution.LayoutMap` instead of `mesh_shape`
+            and `layout` (its `DeviceMesh` gives the mesh's axis names and
+            sizes; its devices are the ranks): any Keras model's variables are
+            split by path, as `tfdist.distribution.ModelParallel` does.
+        batch_dim_name: with `layout_map`, the mesh axis named after the batch
+            (default: the first).
 
     Example (4 ranks, Megatron MLP split over pairs of ranks):
 
@@ -66,7 +73,8 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     _collective_key_base = 90000  # read by MirroredExtended; TF's own collectives are unused
 
     def __init__(self, compression: str = "none", device: Optional[str] = None,
-                 reduction: str = "sum", mesh_shape=None, layout=None):
+                 reduction: str = "sum", mesh_shape=None, layout=None, layout_map=None,
+                 batch_dim_name: Optional[str] = None):
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
                              f"received compression={compression!r}.")
@@ -82,6 +90,15 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             raise ValueError("reduction='adasum' needs Horovod built with MPI; this build has "
                              "only Gloo (scripts/install_horovod.sh builds without MPI). "
                              "Use reduction='sum'.")
+        keras_layouts = None
+        if layout_map is not None:
+            if mesh_shape is not None or layout is not None:
+                raise ValueError("HorovodStrategy takes a layout_map or a mesh_shape and layout, "
+                                 f"not both; received layout_map and mesh_shape={mesh_shape!r}, "
+                                 f"layout={layout!r}.")
+            shape = keras_mesh_shape(layout_map.device_mesh)
+            keras_layouts = KerasLayouts(layout_map, shape, batch_dim_name or shape.names[0])
+            mesh_shape = shape
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
         # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
@@ -99,6 +116,10 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         self.hvd = hvd
         self.mesh = mesh
         self._backend = backend
+        if keras_layouts is not None:
+            keras_tensor_parallel.install()
+            keras_hub_moe_loss.install()
+            self.extended.keras_layouts = keras_layouts
 
     def reduce(self, reduce_op, value, axis):
         # Keras's symbolic build reduces the first batch, which replicas may hold
@@ -135,6 +156,8 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     @property
     def collective_weight_reads(self) -> bool:  # MeshRuntime
         """Whether reading a weight globally is a collective (some layout rule splits)."""
+        if self.extended.keras_layouts is not None:
+            return self.mesh.size > 1  # a LayoutMap may split any weight
         return any(self.mesh.axis_size(axis) > 1 and logical != "batch"
                    for logical, axis in self.mesh.rules.rules)
 

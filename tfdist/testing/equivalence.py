@@ -44,6 +44,8 @@ class EquivalenceReport:
     weights: float
     optimizer_variables: float
     steps: int
+    model: object = dataclasses.field(default=None, repr=False, compare=False)
+    """The trained model under test (for reading its components)."""
 
     def worst(self) -> float:
         return max(self.forward, self.loss, self.added_losses, self.gradients,
@@ -206,6 +208,7 @@ def compare_with_reference(
         weights=weights,
         optimizer_variables=slots,
         steps=steps,
+        model=model,
     )
 
 
