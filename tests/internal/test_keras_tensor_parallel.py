@@ -12,6 +12,7 @@ import tensorflow as tf
 import tfdist.distribution as td
 from tfdist.internal import keras_tensor_parallel, keras_variables
 from tfdist.internal.keras_distribution import layout_map_of
+from tfdist.testing.collective_log import recorded_all_gathers
 
 # The calls the tensor-parallel versions reproduce, as Keras 3.15 writes them. A
 # Keras upgrade that changes one fails here first: re-read it and update the entry.
@@ -116,13 +117,6 @@ def _sharded_run(strategy, layer, x, probe, call_kwargs):
     """Output rows, global gradients of sum(output * probe), and the shapes all-gathered."""
     n = strategy.num_replicas_in_sync
     rows = x.shape[0] // n
-    gathered = []
-    backend = strategy.backend
-    original = backend.all_gather
-
-    def recording(value, *args, **kwargs):
-        gathered.append(tuple(value.shape.as_list()))
-        return original(value, *args, **kwargs)
 
     def replica():
         i = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
@@ -132,11 +126,8 @@ def _sharded_run(strategy, layer, x, probe, call_kwargs):
             loss = tf.reduce_sum(y * tf.cast(ps, y.dtype))
         return y, tape.gradient(loss, [v.value for v in layer.trainable_weights])
 
-    backend.all_gather = recording
-    try:
+    with recorded_all_gathers(strategy) as gathered:
         y, grads = tf.function(lambda: strategy.run(replica))()
-    finally:
-        backend.all_gather = original
     outputs = np.concatenate([t.numpy() for t in strategy.experimental_local_results(y)])
     grads = [_global_gradient(v, [tf.convert_to_tensor(g).numpy()
                                   for g in strategy.experimental_local_results(grad)])

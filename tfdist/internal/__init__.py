@@ -21,6 +21,11 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `even_steps`: Keras steps on uneven replicas (partial batches) evened out.
 - `keras_fit`: the epoch Keras's `fit` starts from.
 - `collective_abort`: aborting pending collectives when a peer is lost.
+- `keras_variables`: the Keras variable (path, shape) a `tf.Variable` is created for.
+- `keras_distribution`: the `LayoutMap` of Keras's own `ModelParallel`.
+- `keras_tensor_parallel`: shard-wise `call`s of Keras's Dense, EinsumDense,
+  Embedding and ReversibleEmbedding under a `LayoutMap`.
+- `keras_hub_moe_loss`: keras-hub's MoE load-balancing loss over every replica.
 """
 
 

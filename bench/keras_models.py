@@ -1,0 +1,151 @@
+"""A keras-hub Gemma backbone with its own layout map over processes, same run.
+
+Each case is a fresh job started with tfdist.launch, one process per core
+(process i pinned to core i, one thread):
+
+- one process: the plain Keras model (the baseline);
+- data parallel over 2 processes: `tfdist.distribution.DataParallel`;
+- FSDP over 2 processes: Gemma's `get_layout_map` on a `(batch 2, model 1)` mesh;
+- tensor parallel over 2 processes: the same map on `(batch 1, model 2)`;
+- idle: the same job building no model (the memory baseline).
+
+Reported per case: steps/s and the ratio to one process and to data
+parallelism, bytes of weights + Adam slots on each device (read from the
+variables' components), and each process's peak RSS above the idle job's
+(`VmHWM` of every task, read by the controller when the case ends).
+
+    python bench/keras_models.py [--steps 10] [--batch 16] [--length 128]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CONFIG = dict(vocabulary_size=8192, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+              hidden_dim=256, intermediate_dim=2048, head_dim=64)
+CASES = {  # name: (processes, mesh shape or None)
+    "one": (1, None), "data_parallel": (2, "dp"), "fsdp": (2, (2, 1)),
+    "tensor_parallel": (2, (1, 2)), "idle": (2, "idle"),
+}
+
+
+def _peak_rss_of_job():
+    """VmHWM (MiB) of every process running this job's command line."""
+    me = open(f"/proc/{os.getpid()}/cmdline", "rb").read()
+    peaks = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/cmdline", "rb").read() != me:
+                continue
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("VmHWM:"):
+                    peaks.append(int(line.split()[1]) / 1024)
+        except OSError:
+            continue
+    return sorted(peaks)
+
+
+def job(args):
+    """One case, in every task of a launched job; the controller measures."""
+    import time
+
+    from tfdist.cluster import ClusterConfig
+
+    devices = ClusterConfig.from_env().start(threads=1)
+    import keras
+    import keras_hub
+    import numpy as np
+    import tensorflow as tf
+    from absl import logging
+
+    import tfdist.distribution as td
+    from tfdist.testing.memory import device_bytes
+
+    logging.set_verbosity(logging.WARNING)
+    processes, shape = CASES[args.case]
+    result = {"case": args.case, "processes": processes}
+    if shape == "idle":
+        result["peak_rss_mib"] = _peak_rss_of_job()
+        json.dump(result, open(args.result, "w"))
+        return
+    if shape is None:
+        strategy = tf.distribute.OneDeviceStrategy(devices[0])
+    elif shape == "dp":
+        strategy = td.DataParallel(devices=devices)
+    else:
+        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+        strategy = td.ModelParallel(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+                                    batch_dim_name="batch", devices=devices)
+    rng = np.random.default_rng(0)
+    rows = (args.steps + 1) * args.batch
+    x = {"token_ids": rng.integers(0, CONFIG["vocabulary_size"], (rows, args.length)),
+         "padding_mask": np.ones((rows, args.length), "int32")}
+    y = rng.normal(size=(rows, args.length, CONFIG["hidden_dim"])).astype("float32")
+    with strategy.scope():
+        model = keras_hub.models.GemmaBackbone(**CONFIG)
+        model.compile(keras.optimizers.Adam(1e-4), "mse")
+    first = {k: v[:args.batch] for k, v in x.items()}
+    model.fit(first, y[:args.batch], batch_size=args.batch, verbose=0)  # trace, warm up
+    start = time.perf_counter()
+    model.fit({k: v[args.batch:] for k, v in x.items()}, y[args.batch:], batch_size=args.batch,
+              verbose=0, shuffle=False)
+    result["s_per_step"] = (time.perf_counter() - start) / args.steps
+    result["device_bytes"] = [device_bytes(model, i) for i in range(max(processes, 1))]
+    result["peak_rss_mib"] = _peak_rss_of_job()
+    json.dump(result, open(args.result, "w"))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--case", choices=list(CASES))
+    parser.add_argument("--result")
+    args = parser.parse_args()
+    if args.case:
+        return job(args)
+    from tfdist.launch.local import run_local
+
+    print(f"keras-hub Gemma {CONFIG}, batch {args.batch} x {args.length}, Adam, {args.steps} "
+          f"timed steps; one core and one thread per process")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case, (n, _) in CASES.items():
+            path = os.path.join(tmp, f"{case}.json")
+            command = [sys.executable, os.path.abspath(__file__), f"--case={case}",
+                       f"--steps={args.steps}", f"--batch={args.batch}",
+                       f"--length={args.length}", f"--result={path}"]
+            status = run_local(command, n, pin_cores=True, linger_s=2.0,
+                               out=open(os.devnull, "w"))
+            if status or not os.path.exists(path):
+                print(f"{case}: the job failed (status {status})")
+                return 1
+            results[case] = json.load(open(path))
+    one, dp = results["one"], results["data_parallel"]
+    idle = results["idle"]["peak_rss_mib"]
+    one_bytes = one["device_bytes"][0]
+    print(f"{'case':<18}{'procs':>6}{'s/step':>8}{'vs one':>8}{'vs DP':>7}"
+          f"{'weights+slots/device':>22}{'of one':>8}  peak RSS above idle (MiB)")
+    for case in ("one", "data_parallel", "fsdp", "tensor_parallel"):
+        r = results[case]
+        above = [f"{p - min(idle):.0f}" for p in r["peak_rss_mib"]]
+        print(f"{case:<18}{r['processes']:>6}{r['s_per_step']:>8.3f}"
+              f"{one['s_per_step'] / r['s_per_step']:>7.2f}x{dp['s_per_step'] / r['s_per_step']:>6.2f}x"
+              f"{max(r['device_bytes']):>22,}{max(r['device_bytes']) / one_bytes:>8.2f}  "
+              f"{', '.join(above)}")
+    fsdp, tp = results["fsdp"], results["tensor_parallel"]
+    print(f"targets: FSDP bytes/device <= 1/2 + 5% of one ({max(fsdp['device_bytes']) / one_bytes:.2f}), "
+          f"FSDP step <= 1.3x data parallel ({fsdp['s_per_step'] / dp['s_per_step']:.2f}x), "
+          f"tensor parallel faster than one process ({one['s_per_step'] / tp['s_per_step']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
