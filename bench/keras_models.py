@@ -15,6 +15,7 @@ variables' components), and each process's peak RSS above the idle job's
 (`VmHWM` of every task, read by the controller when the case ends).
 
     python bench/keras_models.py [--steps 10] [--batch 16] [--length 128]
+        [--hidden_dim 256] [--intermediate_dim 2048]
 """
 
 import argparse
@@ -106,9 +107,12 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--hidden_dim", type=int, default=CONFIG["hidden_dim"])
+    parser.add_argument("--intermediate_dim", type=int, default=CONFIG["intermediate_dim"])
     parser.add_argument("--case", choices=list(CASES))
     parser.add_argument("--result")
     args = parser.parse_args()
+    CONFIG.update(hidden_dim=args.hidden_dim, intermediate_dim=args.intermediate_dim)
     if args.case:
         return job(args)
     from tfdist.launch.local import run_local
@@ -121,7 +125,8 @@ def main():
             path = os.path.join(tmp, f"{case}.json")
             command = [sys.executable, os.path.abspath(__file__), f"--case={case}",
                        f"--steps={args.steps}", f"--batch={args.batch}",
-                       f"--length={args.length}", f"--result={path}"]
+                       f"--length={args.length}", f"--hidden_dim={args.hidden_dim}",
+                       f"--intermediate_dim={args.intermediate_dim}", f"--result={path}"]
             status = run_local(command, n, pin_cores=True, linger_s=2.0,
                                out=open(os.devnull, "w"))
             if status or not os.path.exists(path):

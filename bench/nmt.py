@@ -39,7 +39,7 @@ load; the ratios less so. A full run takes under 4 minutes on 2 cores (more
 when other processes share them); `--quick` (tiny sizes, every code path)
 about a minute and a half, mostly tracing and XLA compilation.
 
-    python bench/nmt.py [--train_steps 5] [--decode_repeats 3] [--quick]
+    python bench/nmt.py [--train_steps 5] [--decode_repeats 3] [--quick] [--xla both|off|on]
 """
 
 import argparse
@@ -257,6 +257,8 @@ def main():
     parser.add_argument("--train_steps", type=int, default=5, help="timed training steps")
     parser.add_argument("--decode_repeats", type=int, default=3, help="timed beam searches")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every code path: a smoke run")
+    parser.add_argument("--xla", choices=["both", "off", "on"], default="both",
+                        help="measure with XLA off, on, or both")
     args = parser.parse_args()
     logging.set_verbosity(logging.WARNING)
     s = QUICK if args.quick else Sizes()
@@ -271,10 +273,11 @@ def main():
           f"tokens, {s.decode_batch} sources (best of {repeats}); 1 CPU device, "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     rows, notes = [], []
-    for jit in (False, True):
+    jits = {"both": (False, True), "off": (False,), "on": (True,)}[args.xla]
+    for jit in jits:
         speed = train_tokens_per_second(s, data, steps, jit)
         rows.append(("training tokens/s", jit, speed["tfdist"], speed["keras-hub"], 1.2))
-    for jit in (False, True):
+    for jit in jits:
         speed = beam_sentences_per_second(s, data[0][:s.decode_batch], repeats, jit)
         (ours, our_eos), (theirs, their_eos) = speed["tfdist"], speed["keras-hub"]
         rows.append((f"beam-{BEAM} sentences/s", jit, ours, theirs, 2.0))
@@ -292,11 +295,12 @@ def main():
         print(f"note: {note}")
     print()
     ratios = {(name.split()[0], jit): ours / theirs for name, jit, ours, theirs, _ in rows}
-    print(f"summary: training tfdist/keras-hub {ratios['training', False]:.2f}x XLA off, "
-          f"{ratios['training', True]:.2f}x XLA on (target 1.2x); beam search "
-          f"{ratios[f'beam-{BEAM}', False]:.2f}x XLA off, {ratios[f'beam-{BEAM}', True]:.2f}x "
-          f"XLA on (target 2x); {time.perf_counter() - started:.0f} s, "
-          f"load {os.getloadavg()[0]:.1f}")
+    training = ", ".join(f"{ratios['training', jit]:.2f}x XLA {'on' if jit else 'off'}"
+                         for jit in jits)
+    beam = ", ".join(f"{ratios[f'beam-{BEAM}', jit]:.2f}x XLA {'on' if jit else 'off'}"
+                     for jit in jits)
+    print(f"summary: training tfdist/keras-hub {training} (target 1.2x); beam search {beam} "
+          f"(target 2x); {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
