@@ -212,3 +212,44 @@ def test_keras_distribution_objects_become_tfdist_strategies():
     assert isinstance(data_parallel, td.DataParallel) and data_parallel.num_replicas_in_sync == 4
     with pytest.raises(ValueError, match="DeviceMesh device 'cpu:99' is not a device"):
         td.ModelParallel(layout_map=td.LayoutMap(td.DeviceMesh((1,), ("batch",), ["cpu:99"])))
+
+
+class RecordingGlorot(keras.initializers.GlorotUniform):
+    """GlorotUniform that records the shapes it is asked for."""
+
+    shapes = []
+
+    def __call__(self, shape, dtype=None):
+        RecordingGlorot.shapes.append(tuple(shape))
+        return super().__call__(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("initialize_shards", [False, True])
+def test_weights_and_slots_are_made_shard_by_shard_when_asked(initialize_shards):
+    layout_map = td.LayoutMap(keras_mesh((1, 4)))
+    layout_map["wide/kernel"] = (None, "model")
+    layout_map["wide/bias"] = ("model",)
+    strategy = td.ModelParallel(layout_map=layout_map, initialize_shards=initialize_shards)
+    RecordingGlorot.shapes = []
+    with strategy.scope():
+        layer = keras.layers.Dense(512, kernel_initializer=RecordingGlorot(seed=3),
+                                   bias_initializer="ones", name="wide")
+        layer.build((None, 256))
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(layer.trainable_variables)
+    if initialize_shards:  # four distinct shards, each drawn on its own
+        assert RecordingGlorot.shapes == [(256, 128)] * 4
+        kernel = layer.kernel.numpy()
+        parts = [kernel[:, 128 * i:128 * (i + 1)] for i in range(4)]
+        assert all(not np.allclose(parts[0], p) for p in parts[1:])
+        limit = np.sqrt(6 / (256 + 512))  # the whole weight's Glorot limit
+        assert abs(kernel.max() - limit) < 0.01 * limit and abs(kernel.min() + limit) < 0.01 * limit
+        assert abs(kernel.std() - limit / np.sqrt(3)) < 0.02 * limit
+    else:  # one global value: one device's weights for the same seed
+        assert RecordingGlorot.shapes == [(256, 512)]
+        np.testing.assert_array_equal(layer.kernel.numpy(),
+                                      RecordingGlorot(seed=3)((256, 512)).numpy())
+    np.testing.assert_array_equal(layer.bias.numpy(), np.ones(512))
+    for slot in optimizer.variables[2:]:
+        assert [tuple(c.shape) for c in slot.value.values] in ([(256, 128)] * 4, [(128,)] * 4)
+        assert not np.any(slot.numpy())

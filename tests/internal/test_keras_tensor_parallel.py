@@ -77,10 +77,11 @@ def test_install_is_idempotent_and_keeps_the_signatures():
 
 
 def test_the_keras_variable_and_layout_map_hooks():
-    seen = []
+    seen, initializers = [], []
 
     def creator(next_creator, **kwargs):
         seen.append(keras_variables.keras_variable_of(kwargs["initial_value"]))
+        initializers.append(type(keras_variables.initializer_of(kwargs["initial_value"])))
         return next_creator(**kwargs)
 
     with tf.variable_creator_scope(creator):
@@ -88,7 +89,11 @@ def test_the_keras_variable_and_layout_map_hooks():
         layer.build((2, 4))
     assert [(v.path, tuple(v.shape)) for v in seen] == [("probe/kernel", (4, 3)),
                                                         ("probe/bias", (3,))]
+    assert initializers == [keras.initializers.GlorotUniform, keras.initializers.Zeros]
     assert keras_variables.keras_variable_of(lambda: 0.0) is None
+    from keras.src.initializers.random_initializers import compute_fans  # the shard scale
+
+    assert compute_fans((4, 3)) == (4, 3) and compute_fans((2, 4, 3)) == (8, 6)
     mesh = td.DeviceMesh((2,), ("batch",), ["cpu:0", "cpu:1"])
     layout_map = td.LayoutMap(mesh)
     assert layout_map_of(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map

@@ -19,5 +19,5 @@ model.fit(...)
 
 from keras.distribution import DeviceMesh, LayoutMap  # noqa: F401  (Keras's own)
 
-from tfdist.distribution.layouts import KerasLayouts, keras_mesh_shape  # noqa: F401
+from tfdist.keras_layouts import KerasLayouts, keras_mesh_shape  # noqa: F401
 from tfdist.distribution.model_parallel import DataParallel, ModelParallel, from_keras  # noqa: F401

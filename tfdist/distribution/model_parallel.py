@@ -5,7 +5,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tfdist.distribution.layouts import KerasLayouts, keras_mesh_shape
+from tfdist.keras_layouts import KerasLayouts, keras_mesh_shape
 from tfdist.internal import keras_distribution, keras_hub_moe_loss, keras_tensor_parallel
 from tfdist.mesh import LayoutRules, Mesh
 from tfdist.strategies.mesh_strategy import MeshStrategy
@@ -67,6 +67,14 @@ class ModelParallel(MeshStrategy):
         batch_dim_name: the mesh axis named after the batch (default: the
             mesh's first axis). Weights split over it are FSDP.
         devices: TF device names overriding the `DeviceMesh`'s.
+        initialize_shards: how weights a layout splits get their initial values.
+            Always: constant initializers (`zeros`, `ones`, ...) and optimizer
+            slots are made shard by shard on each device. False (default): a
+            random initializer draws the whole value once on one device, then it
+            is split, so a seed gives one device's weights exactly. True: each
+            shard is drawn on its own device from the same distribution
+            (Glorot/He/LeCun scaled by the whole weight's fans), so no device
+            ever holds a whole weight; the numbers then differ from one device's.
         **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
             `max_shapes`).
 
@@ -91,6 +99,7 @@ class ModelParallel(MeshStrategy):
         layout_map=None,
         batch_dim_name: Optional[str] = None,
         devices: Union[None, str, Sequence[str]] = None,
+        initialize_shards: bool = False,
         **options,
     ):
         if device_mesh is None and layout_map is None:
@@ -100,7 +109,8 @@ class ModelParallel(MeshStrategy):
             device_mesh = layout_map.device_mesh
         mesh_shape = keras_mesh_shape(device_mesh)
         batch_dim_name = batch_dim_name or mesh_shape.names[0]
-        layouts = KerasLayouts(layout_map, mesh_shape, batch_dim_name)  # checked first
+        layouts = KerasLayouts(layout_map, mesh_shape, batch_dim_name,  # checked first
+                               initialize_shards=initialize_shards)
         if devices is None:
             devices = _tf_devices(device_mesh)
         super().__init__(Mesh(mesh_shape, LayoutRules(())), devices=devices, **options)

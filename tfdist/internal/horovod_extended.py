@@ -82,6 +82,7 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     # -- variables: rank 0's initial values everywhere --------------------------
 
     _sharded_variable_class = HorovodShardedVariable
+    _shard_by_shard = False  # rank 0's global value, broadcast: ranks holding a shard agree
 
     def _create_replicated_variable(self, next_creator, **kwargs):
         initial = kwargs.get("initial_value")

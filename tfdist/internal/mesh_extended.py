@@ -235,7 +235,7 @@ class ShardRouting:
     """
 
     keras_layouts = None
-    """A `tfdist.distribution.KerasLayouts`: layouts of Keras variables by path, or None."""
+    """A `tfdist.keras_layouts.KerasLayouts`: layouts of Keras variables by path, or None."""
 
     def _init_routing(self):
         self._routed_graph = None
@@ -332,7 +332,16 @@ class ShardRouting:
         if layout is None or not layout.is_sharded:
             return self._create_replicated_variable(next_creator, **kwargs)
         kwargs.pop("colocate_with", None)
-        variable = self._create_sharded_variable(next_creator, layout, **kwargs)
+        make_shard = None
+        if self._shard_by_shard:
+            # Slots (zeros) and Keras weights laid out by path: each shard made on
+            # its own device, never the whole value (random ones only when asked).
+            make_shard = keras_variables.shard_maker(
+                keras_variables.initializer_of(kwargs.get("initial_value")), layout,
+                kwargs.get("dtype"), random=getattr(self.keras_layouts, "initialize_shards",
+                                                    False))
+        variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
+                                                 **kwargs)
         variable._tfdist_gather_on_read = gather_on_read
         return variable
 
@@ -355,7 +364,10 @@ class ShardRouting:
             )
         return primary.layout
 
-    def _create_sharded_variable(self, next_creator, layout, **kwargs):
+    _shard_by_shard = True
+    """Whether shards may be initialised one by one (False where processes must agree)."""
+
+    def _create_sharded_variable(self, next_creator, layout, make_shard=None, **kwargs):
         sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
         if sync == tf.VariableSynchronization.ON_READ:
             raise ValueError(
@@ -368,6 +380,9 @@ class ShardRouting:
             aggregation = tf.VariableAggregation.NONE
         kwargs.pop("caching_device", None)
         kwargs["collections"] = []
+        if make_shard is not None:
+            return self._create_from_shards(next_creator, layout, make_shard, aggregation,
+                                            kwargs)
         initial = kwargs["initial_value"]
         with tf.init_scope(), record.stop_recording():
             with tf.device(self._devices[0]):
@@ -387,6 +402,28 @@ class ShardRouting:
             with tf.device(device), record.stop_recording():
                 shard_kwargs = dict(kwargs)
                 shard_kwargs["initial_value"] = tf.identity(shards[self.mesh_device_index(i)])
+                if i > 0:
+                    base = components[0].name.split(":")[0]
+                    shard_kwargs["name"] = f"{base}/replica_{i}/"
+                components.append(next_creator(**shard_kwargs))
+        return self._sharded_variable_class(
+            self._container_strategy(), components, aggregation, layout)
+
+    def _create_from_shards(self, next_creator, layout, make_shard, aggregation, kwargs):
+        """Each distinct shard made once, on the first device that holds it, then copied
+        to the other devices that hold it; no device holds the whole value."""
+        shard_of = {}  # device index -> distinct shard number
+        for number, group in enumerate(layout.shard_owner_groups()):
+            for index in group:
+                shard_of[index] = number
+        made, components = {}, []
+        for i, device in enumerate(self._devices):
+            number = shard_of[self.mesh_device_index(i)]
+            with tf.device(device), tf.init_scope(), record.stop_recording():
+                if number not in made:
+                    made[number] = tf.convert_to_tensor(
+                        make_shard(number, layout.local_shape), dtype=kwargs.get("dtype"))
+                shard_kwargs = dict(kwargs, initial_value=tf.identity(made[number]))
                 if i > 0:
                     base = components[0].name.split(":")[0]
                     shard_kwargs["name"] = f"{base}/replica_{i}/"

@@ -6,7 +6,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
-from tfdist.distribution.layouts import KerasLayouts, keras_mesh_shape
+from tfdist.keras_layouts import KerasLayouts, keras_mesh_shape
 from tfdist.internal import install_keras_hooks, keras_hub_moe_loss, keras_tensor_parallel
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras

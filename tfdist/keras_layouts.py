@@ -1,4 +1,4 @@
-"""Keras `LayoutMap` layouts lowered onto a tfdist mesh, checked by variable path."""
+"""Keras `LayoutMap` layouts lowered onto a tfdist mesh, checked by variable path (pure Python)."""
 
 from typing import Optional, Sequence, Tuple
 
@@ -27,9 +27,13 @@ class KerasLayouts:
         mesh_shape: the tfdist `MeshShape` of the strategy's mesh.
         batch_axis: the mesh axis the batch is named after (`batch_dim_name`);
             weights split over it are always gathered when read (FSDP).
+        initialize_shards: draw random initial values shard by shard (see
+            `tfdist.distribution.ModelParallel`).
     """
 
-    def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str):
+    def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str,
+                 initialize_shards: bool = False):
+        self.initialize_shards = bool(initialize_shards)
         self.layout_map = layout_map
         self.mesh_shape = mesh_shape
         if batch_axis not in mesh_shape.names:
