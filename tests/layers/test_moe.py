@@ -140,7 +140,8 @@ EQUIVALENCE_CASES = [
     for mesh, layout in [("data:1;model:1", "experts:model"), ("data:1;model:2", "experts:model"),
                          ("data:2;model:2", "batch:data;experts:model"),
                          ("data:1;model:4", "experts:model")]
-    for top_k in (1, 2) if top_k == 2 or mesh in ("data:1;model:2", "data:2;model:2")
+    # top-1 on 2x2 only (1x2's top-1 adds no path 2x2 lacks: the suite's time budget)
+    for top_k in (1, 2) if top_k == 2 or mesh == "data:2;model:2"
 ] + [("data:2;model:2", "batch:data;d_ff:model", 2)]  # d_ff-split experts
 
 
