@@ -397,11 +397,15 @@ class ShardRouting:
             )
         with tf.init_scope(), tf.device(self._devices[0]):
             shards = split_global(layout, value)
+        return self._sharded_from(next_creator, layout, aggregation, kwargs,
+                                  lambda i: shards[self.mesh_device_index(i)])
+
+    def _sharded_from(self, next_creator, layout, aggregation, kwargs, shard_for):
+        """The `ShardedVariable` whose component `i` starts from `shard_for(i)` on device `i`."""
         components = []
         for i, device in enumerate(self._devices):
             with tf.device(device), record.stop_recording():
-                shard_kwargs = dict(kwargs)
-                shard_kwargs["initial_value"] = tf.identity(shards[self.mesh_device_index(i)])
+                shard_kwargs = dict(kwargs, initial_value=tf.identity(shard_for(i)))
                 if i > 0:
                     base = components[0].name.split(":")[0]
                     shard_kwargs["name"] = f"{base}/replica_{i}/"
@@ -416,20 +420,17 @@ class ShardRouting:
         for number, group in enumerate(layout.shard_owner_groups()):
             for index in group:
                 shard_of[index] = number
-        made, components = {}, []
-        for i, device in enumerate(self._devices):
+        made = {}
+
+        def shard_for(i):  # called on device i
             number = shard_of[self.mesh_device_index(i)]
-            with tf.device(device), tf.init_scope(), record.stop_recording():
-                if number not in made:
-                    made[number] = tf.convert_to_tensor(
-                        make_shard(number, layout.local_shape), dtype=kwargs.get("dtype"))
-                shard_kwargs = dict(kwargs, initial_value=tf.identity(made[number]))
-                if i > 0:
-                    base = components[0].name.split(":")[0]
-                    shard_kwargs["name"] = f"{base}/replica_{i}/"
-                components.append(next_creator(**shard_kwargs))
-        return self._sharded_variable_class(
-            self._container_strategy(), components, aggregation, layout)
+            if number not in made:
+                with tf.init_scope(), tf.device(self._devices[i]):
+                    made[number] = tf.convert_to_tensor(make_shard(number, layout.local_shape),
+                                                        dtype=kwargs.get("dtype"))
+            return made[number]
+
+        return self._sharded_from(next_creator, layout, aggregation, kwargs, shard_for)
 
     # -- gradients: routed by variable ---------------------------------------
 
