@@ -43,6 +43,15 @@ class KerasLayouts:
         for key, spec in ([] if layout_map is None else layout_map.items()):
             self._check_spec(spec, f"LayoutMap key {key!r}")
 
+    @classmethod
+    def for_mesh(cls, device_mesh, layout_map, batch_dim_name: Optional[str] = None,
+                 initialize_shards: bool = False) -> "KerasLayouts":
+        """The layouts of `layout_map` (or None) on a Keras `DeviceMesh`; the batch
+        axis defaults to the mesh's first."""
+        mesh_shape = keras_mesh_shape(device_mesh)
+        return cls(layout_map, mesh_shape, batch_dim_name or mesh_shape.names[0],
+                   initialize_shards=initialize_shards)
+
     def _check_spec(self, spec, what):
         mesh = getattr(spec, "device_mesh", None)
         if mesh is not None and (tuple(mesh.axis_names) != self.mesh_shape.names or

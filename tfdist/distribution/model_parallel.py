@@ -5,8 +5,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tfdist.keras_layouts import KerasLayouts, keras_mesh_shape
-from tfdist.internal import keras_distribution, keras_hub_moe_loss, keras_tensor_parallel
+from tfdist.keras_layouts import KerasLayouts
+from tfdist.internal import install_layout_map_hooks, keras_distribution
 from tfdist.mesh import LayoutRules, Mesh
 from tfdist.strategies.mesh_strategy import MeshStrategy
 
@@ -107,19 +107,16 @@ class ModelParallel(MeshStrategy):
                              "neither.")
         if device_mesh is None:
             device_mesh = layout_map.device_mesh
-        mesh_shape = keras_mesh_shape(device_mesh)
-        batch_dim_name = batch_dim_name or mesh_shape.names[0]
-        layouts = KerasLayouts(layout_map, mesh_shape, batch_dim_name,  # checked first
-                               initialize_shards=initialize_shards)
+        layouts = KerasLayouts.for_mesh(device_mesh, layout_map, batch_dim_name,  # checked first
+                                        initialize_shards=initialize_shards)
         if devices is None:
             devices = _tf_devices(device_mesh)
-        super().__init__(Mesh(mesh_shape, LayoutRules(())), devices=devices, **options)
-        keras_tensor_parallel.install()
-        keras_hub_moe_loss.install()
+        super().__init__(Mesh(layouts.mesh_shape, LayoutRules(())), devices=devices, **options)
+        install_layout_map_hooks()
         self.extended.keras_layouts = layouts
         self.device_mesh = device_mesh
         self.layout_map = layout_map
-        self.batch_dim_name = batch_dim_name
+        self.batch_dim_name = layouts.batch_axis
 
     def __repr__(self):
         return f"ModelParallel(mesh {self.mesh.shape}, batch_dim_name={self.batch_dim_name!r})"

@@ -41,3 +41,12 @@ def install_keras_hooks() -> None:
     for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale,
                  keras_rows):
         hook.install()
+
+
+def install_layout_map_hooks() -> None:
+    """Installs the hooks a strategy with a Keras `LayoutMap` relies on (idempotent):
+    tensor-parallel calls of Keras's layers and keras-hub's global MoE balancing loss."""
+    from tfdist.internal import keras_hub_moe_loss, keras_tensor_parallel
+
+    keras_tensor_parallel.install()
+    keras_hub_moe_loss.install()

@@ -52,17 +52,16 @@ class ShardedVariable(values.MirroredVariable):
     """A distributed variable whose component `i` is shard `i` of a global tensor.
 
     In a replica it reads as the local shard, or, for a weight laid out by a
-    Keras `LayoutMap` (`gather_on_read`), as the whole weight gathered from its
+    Keras `LayoutMap`, as the whole weight gathered from its
     shards (FSDP: `tfdist.weight_reads`); in cross-replica context (saving,
     `get_weights`, Keras's symbolic build) it reads as the global tensor and
     assigning a global value splits it into shards.
     """
 
-    def __init__(self, strategy, values_list, aggregation, layout: TensorLayout,
-                 gather_on_read: bool = False):
+    def __init__(self, strategy, values_list, aggregation, layout: TensorLayout):
         super().__init__(strategy, values_list, aggregation)
         self._tfdist_layout = layout
-        self._tfdist_gather_on_read = gather_on_read
+        self._tfdist_gather_on_read = False  # set by `ShardRouting._create_variable`
 
     @property
     def layout(self) -> TensorLayout:
@@ -81,10 +80,6 @@ class ShardedVariable(values.MirroredVariable):
         if ctx is None or ctx.strategy is not self._distribute_strategy:
             return None
         return values_util.get_current_replica_id_as_int()
-
-    @property
-    def gather_on_read(self) -> bool:
-        return self._tfdist_gather_on_read
 
     def _get(self):
         replica_id = self._local_replica_id()

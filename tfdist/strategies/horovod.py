@@ -6,8 +6,8 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
-from tfdist.keras_layouts import KerasLayouts, keras_mesh_shape
-from tfdist.internal import install_keras_hooks, keras_hub_moe_loss, keras_tensor_parallel
+from tfdist.internal import install_keras_hooks, install_layout_map_hooks
+from tfdist.keras_layouts import KerasLayouts
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.mesh import Mesh
@@ -96,9 +96,9 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                 raise ValueError("HorovodStrategy takes a layout_map or a mesh_shape and layout, "
                                  f"not both; received layout_map and mesh_shape={mesh_shape!r}, "
                                  f"layout={layout!r}.")
-            shape = keras_mesh_shape(layout_map.device_mesh)
-            keras_layouts = KerasLayouts(layout_map, shape, batch_dim_name or shape.names[0])
-            mesh_shape = shape
+            keras_layouts = KerasLayouts.for_mesh(layout_map.device_mesh, layout_map,
+                                                  batch_dim_name)
+            mesh_shape = keras_layouts.mesh_shape
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
         # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
@@ -117,8 +117,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         self.mesh = mesh
         self._backend = backend
         if keras_layouts is not None:
-            keras_tensor_parallel.install()
-            keras_hub_moe_loss.install()
+            install_layout_map_hooks()
             self.extended.keras_layouts = keras_layouts
 
     def reduce(self, reduce_op, value, axis):
