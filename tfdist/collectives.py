@@ -149,8 +149,8 @@ def _sparse_reduce_scatter(ctx, dy, dim, local_shape):
     an entry of another device's rows becomes padding (index -1, value 0), so
     that shapes stay static. Split columns: each device keeps its columns of
     every entry. Padding entries are dropped before the optimizer sees the
-    gradient (`ShardRouting`), so they touch no row: Keras's optimizers treat
-    sparse gradients lazily (Adam updates the moments of the rows present only).
+    gradient (`ShardRouting`): an index -1 is out of range for the scatter
+    updates Keras's TF optimizer applies sparse gradients with.
     """
     dim = dim % len(local_shape)
     dense_shape = tf.constant(local_shape.as_list(), tf.int64)

@@ -17,8 +17,8 @@ def keras_mesh_shape(device_mesh) -> MeshShape:
 class KerasLayouts:
     """The layouts a Keras `LayoutMap` gives variables, as tfdist `TensorLayout`s.
 
-    Keras's semantics: keys are regexes searched in `variable.path`; a path
-    matching two keys is an error; a path matching none is replicated. A
+    Keras's semantics: keys are regexes that match the whole `variable.path`
+    (`re.fullmatch`, after an exact key); a path matching two keys is an error; a path matching none is replicated. A
     layout may be shorter than the variable's rank (the trailing dimensions
     are replicated, as a JAX `PartitionSpec`), never longer.
 
@@ -74,12 +74,12 @@ class KerasLayouts:
                              f"{dupes[0]!r}; a tensor may split each mesh axis at most once.")
         return axes
 
-    def layout(self, path: str, shape: Sequence[int]) -> Optional[TensorLayout]:
-        """The layout of the variable at `path` of global `shape`, or None (replicated).
+    def mesh_axes(self, path: str, shape: Sequence[int]) -> Optional[Tuple[Optional[str], ...]]:
+        """The mesh axis (or None) of each dimension of the variable at `path`, or None.
 
         Raises:
-            ValueError: naming `path`, if two keys match it, the layout is longer
-                than the variable's rank, or a dimension does not divide.
+            ValueError: naming `path`, if two keys match it or its layout is
+                longer than the variable's rank.
         """
         if self.layout_map is None:
             return None
@@ -94,7 +94,41 @@ class KerasLayouts:
                 f"{what}: its layout {axes} has {len(axes)} dimensions, more than the "
                 f"variable's rank {len(shape)}; give at most one mesh axis (or None) per "
                 f"dimension.")
-        axes = axes + (None,) * (len(shape) - len(axes))
+        return axes + (None,) * (len(shape) - len(axes))
+
+    def check_agrees(self, path: str, layout: TensorLayout) -> None:
+        """Raises if the `LayoutMap` splits the variable at `path` other than `layout` does.
+
+        For tfdist's own layers, whose layouts come from layout rules: both
+        front ends must lower to the same layout (`RulesLayoutMap`).
+        """
+        axes = self.mesh_axes(path, layout.shape)
+        if axes is None:
+            axes = (None,) * len(layout.shape)
+
+        def split(mesh_axes):
+            return tuple(a if a is not None and self.mesh_shape.axis_size(a) > 1 else None
+                         for a in mesh_axes)
+
+        if split(axes) != split(layout.mesh_axes):
+            raise ValueError(
+                f"Variable {path!r} of shape {layout.shape}: the LayoutMap lays it out "
+                f"{axes}, but the layout rules give {layout.mesh_axes} (logical axes "
+                f"{layout.logical_axes}); make the LayoutMap entry match the rules, or "
+                f"build the map with the model's get_layout_map.")
+
+    def layout(self, path: str, shape: Sequence[int]) -> Optional[TensorLayout]:
+        """The layout of the variable at `path` of global `shape`, or None (replicated).
+
+        Raises:
+            ValueError: naming `path`, if two keys match it, the layout is longer
+                than the variable's rank, or a dimension does not divide.
+        """
+        shape = tuple(int(n) for n in shape)
+        axes = self.mesh_axes(path, shape)
+        if axes is None:
+            return None
+        what = f"Variable {path!r} of shape {shape}"
         for n, axis in zip(shape, axes):
             if axis is not None and n % self.mesh_shape.axis_size(axis):
                 raise ValueError(

@@ -14,6 +14,12 @@ A layer whose computation runs on shards (tensor parallelism,
 dimensions split over other axes (FSDP, e.g. Gemma's `batch` dimension) are
 still gathered.
 
+The layers tfdist knows (Keras's `Dense`, `EinsumDense`, `Embedding`,
+`ReversibleEmbedding`) read their gathered weights through `regathered`, which
+gathers again in the backward pass instead of keeping the whole weight alive
+between the passes; any other layer's gathered read is kept by the tape until
+its backward pass.
+
 Example (a column-parallel matmul of a kernel laid out `(None, "model")`):
 
 ```python
@@ -64,8 +70,58 @@ def read_in_replica(layout, shard):
     gather = set(gathered_axes(layout))
     if not gather:
         return shard
-    value = tf.convert_to_tensor(shard)  # the read the tape records
+    return _gather(tf.convert_to_tensor(shard), layout, gather)  # the read the tape records
+
+
+def _gather(value, layout, axes):
     for dim, axis in enumerate(layout.mesh_axes):
-        if axis in gather:
+        if axis in axes:
             value = collectives.all_gather(value, axis, dim=dim)
     return value
+
+
+def regathered(contract, x, shard, layout, keep=()):
+    """`contract(x, weight)`, the weight gathered from `shard` in the forward pass and again in the backward.
+
+    FSDP's memory promise: the gathered weight lives only as long as the
+    contraction that reads it. A plain gathered read would be kept alive by
+    the tape until the backward pass (a matmul's input gradient needs the
+    weight), so every layer's whole weight would be held at the peak. Here the
+    backward pass gathers the weight again, once the output's gradient has
+    arrived, and differentiates `contract` on that copy (its forward result is
+    unused there, so TF prunes it).
+
+    Args:
+        contract: `(x, weight) -> y`, differentiable in both (a matmul, einsum
+            or row lookup; `x` may be integer ids).
+        x: its first input.
+        shard: this device's component of the weight (a tensor read under
+            `local_axes` of all its axes).
+        layout: the weight's `tfdist.mesh.TensorLayout`.
+        keep: mesh axes whose dimensions stay local (tensor parallelism).
+
+    Returns:
+        `contract(x, weight)`, the weight gathered over every split axis but
+        `keep` and the ambient `local_axes`.
+    """
+    keep = set(keep) | getattr(_state, "local", frozenset())
+    axes = {a for a in layout.sharded_mesh_axes if a not in keep}
+    if not axes:
+        return contract(x, shard)
+    x_trainable = x.dtype.is_floating or x.dtype.is_complex
+
+    @tf.custom_gradient
+    def run(x, shard):
+        def grad(dy):
+            with tf.control_dependencies([dy]):  # not before the backward pass reaches here
+                again = tf.identity(shard)
+            sources = [x, again] if x_trainable else [again]
+            with tf.GradientTape() as tape:
+                tape.watch(sources)
+                y = contract(x, _gather(again, layout, axes))
+            grads = tape.gradient(y, sources, output_gradients=dy)
+            return tuple(grads) if x_trainable else (None, grads[0])
+
+        return contract(x, _gather(shard, layout, axes)), grad
+
+    return run(x, shard)

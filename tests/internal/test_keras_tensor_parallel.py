@@ -161,6 +161,16 @@ CASES = {
     "reverse_tied": (lambda: keras_hub.layers.ReversibleEmbedding(20, 6, logit_soft_cap=3.0,
                                                                   name="l"),
                      {"l/embeddings": ("model", None)}, (8, 5, 6), {"reverse": True}),
+    # FSDP alone (split over the batch axis only; not split on 1x2):
+    "dense_fsdp": (lambda: keras.layers.Dense(6, activation="tanh", name="l"),
+                   {"l/kernel": ("batch", None), "l/bias": ("batch",)}, (8, 10), {}),
+    "einsum_fsdp": (lambda: keras.layers.EinsumDense("...d,dnh->...nh", (4, 5), bias_axes="h",
+                                                     name="l"),
+                    {"l/kernel": ("batch", None, None)}, (8, 3, 10), {}),
+    "embedding_fsdp": (lambda: keras.layers.Embedding(20, 6, name="l"),
+                       {"l/embeddings": ("batch", None)}, (8, 5), {}),
+    "reverse_fsdp": (lambda: keras_hub.layers.ReversibleEmbedding(20, 6, name="l"),
+                     {"l/embeddings": ("batch", None)}, (8, 5, 6), {"reverse": True}),
 }
 
 
@@ -174,17 +184,15 @@ def test_each_entry_equals_the_keras_call_and_gathers_no_tensor_parallel_weight(
     else:
         x = rng.normal(size=x_shape).astype("float32")
     reference = make()
-    if case == "reverse_tied":
-        reference.build((None, 5))
-    else:
-        reference.build(x_shape)
+    build_shape = (None, 5) if case.startswith("reverse") else x_shape
+    reference.build(build_shape)
     strategy = _strategy(shape, layouts)
     with strategy.scope():
         layer = make()
-        layer.build((None, 5) if case == "reverse_tied" else x_shape)
+        layer.build(build_shape)
     layer.set_weights(reference.get_weights())
     probe = rng.normal(size=reference.compute_output_shape(x_shape)
-                       if case != "reverse_tied" else x_shape[:-1] + (20,))
+                       if not case.startswith("reverse") else x_shape[:-1] + (20,))
     with tf.GradientTape() as tape:
         expected = reference(x, **call_kwargs)
         loss = tf.reduce_sum(expected * probe)
@@ -199,3 +207,65 @@ def test_each_entry_equals_the_keras_call_and_gathers_no_tensor_parallel_weight(
         if layout is not None and "batch" not in layout.sharded_mesh_axes:
             shard = (1,) + tuple(var.value.values[0].shape)
             assert shard not in gathered, f"{var.path} was gathered: {gathered}"
+
+
+# Ops that pass a gathered weight on unchanged in value (the gather's own
+# unstack/concat and custom-gradient identities, reads, casts, transposes).
+_PASS_THROUGH = {"Unpack", "ConcatV2", "Identity", "IdentityN", "Cast", "Transpose", "Reshape"}
+
+
+def _weights_kept_for_the_backward_pass(strategy, layer, x):
+    """Forward all-gathers of a weight whose result an op of the backward pass reads."""
+
+    def replica():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        return tape.gradient(loss, [v.value for v in layer.trainable_weights])
+
+    graph = tf.function(lambda: strategy.run(replica)).get_concrete_function().graph
+
+    def backward(op):  # Keras's gradient ops (`replica_1/gradient_tape/...` on replica 1)
+        return "gradient_tape" in op.name.split("/")
+
+    def reads_a_variable(op):
+        """Whether `op` passes on a variable read of the forward pass (not one made to
+        wait for a gradient: `regathered`'s identity has a control input)."""
+        if op.type == "ReadVariableOp":
+            return True
+        return not op.control_inputs and \
+            op.type in _PASS_THROUGH | {"CollectiveGatherV2", "ExpandDims", "StridedSlice"} \
+            and any(reads_a_variable(t.op) for t in op.inputs)
+
+    kept = []
+    for op in graph.get_operations():
+        if op.type != "CollectiveGatherV2" or backward(op) or not reads_a_variable(op):
+            continue
+        frontier, readers = [op], []
+        while frontier:
+            for out in frontier.pop().outputs:
+                for consumer in out.consumers():
+                    (frontier if consumer.type in _PASS_THROUGH else readers).append(consumer)
+        if any(backward(r) for r in readers):
+            kept.append(op.name)
+    return kept
+
+
+class OtherEinsumDense(keras.layers.EinsumDense):
+    """A subclass: tfdist runs its own call, whose gathered read the tape keeps."""
+
+
+@pytest.mark.parametrize("make, layout", [
+    (lambda cls: cls("btd,de->bte", (3, 16), name="l"), ("batch", None)),  # FSDP
+    (lambda cls: cls("btd,de->bte", (3, 16), name="l"), ("batch", "model")),  # FSDP + TP
+], ids=["fsdp", "fsdp_and_tensor_parallel"])
+def test_fsdp_gathers_again_in_the_backward_pass_instead_of_keeping_the_weight(make, layout):
+    x = tf.ones((2, 3, 8))
+    kept = {}
+    for cls in (OtherEinsumDense, keras.layers.EinsumDense):
+        strategy = _strategy((2, 2), {"l/kernel": layout})
+        with strategy.scope():
+            layer = make(cls)
+            layer.build((None, 3, 8))
+        kept[cls] = _weights_kept_for_the_backward_pass(strategy, layer, x)
+    assert kept[OtherEinsumDense], "the check finds a gathered weight the tape keeps"
+    assert kept[keras.layers.EinsumDense] == []

@@ -48,8 +48,8 @@ def _batches(steps, seed=0):
 CASES = [
     ("data:1;model:2", LAYOUT, {}),
     ("data:2;model:2", LAYOUT, {"share_embeddings": False, "positions": "learned"}),
-    ("data:1;model:2", LAYOUT + ";experts:model",  # layer 2 of each stack is an MoE
-     {"moe_experts": 4, "moe_group_size": 16, "num_encoder_layers": 2, "num_decoder_layers": 2}),
+    # The MoE Transformer (experts:model) on 1x2: tests/distribution/test_tfdist_models.py,
+    # through its get_layout_map (the same rules and computation).
 ]
 
 

@@ -21,3 +21,4 @@ from keras.distribution import DeviceMesh, LayoutMap  # noqa: F401  (Keras's own
 
 from tfdist.keras_layouts import KerasLayouts, keras_mesh_shape  # noqa: F401
 from tfdist.distribution.model_parallel import DataParallel, ModelParallel, from_keras  # noqa: F401
+from tfdist.distribution.rules_layout_map import RulesLayoutMap  # noqa: F401

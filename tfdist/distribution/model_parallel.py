@@ -48,6 +48,9 @@ class ModelParallel(MeshStrategy):
       attention through their `EinsumDense` projections) compute with the
       weight's shard and exchange activations (tensor parallelism): the weight
       is never gathered over that mesh axis.
+    - tfdist's own layers, given a tfdist model's layout map
+      (`Transformer.get_layout_map`, a `RulesLayoutMap`), run their own
+      tensor-parallel computation with the layouts the map names.
     - Every other layer reads the whole weight, all-gathered from its shards,
       and its gradient is reduce-scattered to them (FSDP); so is any dimension
       laid out on the batch axis.
@@ -61,8 +64,8 @@ class ModelParallel(MeshStrategy):
     Args:
         device_mesh: a `keras.distribution.DeviceMesh` (default: the layout
             map's).
-        layout_map: a `keras.distribution.LayoutMap` (regex keys over
-            `variable.path`; a path matching two keys is an error; no match
+        layout_map: a `keras.distribution.LayoutMap` (regex keys matching
+            the whole `variable.path`; a path matching two keys is an error; no match
             means replicated), e.g. a keras-hub backbone's `get_layout_map(mesh)`.
         batch_dim_name: the mesh axis named after the batch (default: the
             mesh's first axis). Weights split over it are FSDP.
@@ -111,7 +114,11 @@ class ModelParallel(MeshStrategy):
                                         initialize_shards=initialize_shards)
         if devices is None:
             devices = _tf_devices(device_mesh)
-        super().__init__(Mesh(layouts.mesh_shape, LayoutRules(())), devices=devices, **options)
+        # A tfdist model's layout map (`RulesLayoutMap`) carries its layout rules:
+        # tfdist's layers then compute on their shards with the same layouts.
+        rules = getattr(layout_map, "layout_rules", LayoutRules(()))
+        rules.check_mesh(layouts.mesh_shape)
+        super().__init__(Mesh(layouts.mesh_shape, rules), devices=devices, **options)
         install_layout_map_hooks()
         self.extended.keras_layouts = layouts
         self.device_mesh = device_mesh

@@ -3,14 +3,17 @@
 Private Keras detail used here (and only here): the `call` methods of
 `keras.layers.Dense`, `EinsumDense`, `Embedding` and `ReversibleEmbedding`
 (and keras-hub's `ReversibleEmbedding`, the same class) are replaced, once,
-by a dispatcher. It runs this module's shard-wise computation when the layer
-is exactly one of those classes (a subclass may compute differently), has no
-LoRA or quantization, runs in a replica of a tfdist mesh strategy, and its
-weight is split (by a `LayoutMap`, `tfdist.distribution`) over a mesh axis
-other than the batch axis; otherwise it runs the original `call`, whose
-weight reads gather the whole weight (FSDP, `tfdist.weight_reads`), exact
-for any layer. `tests/internal/test_keras_tensor_parallel.py` checks every
-entry against the installed Keras and the original `call`.
+by a dispatcher. It runs this module's computation when the layer is exactly
+one of those classes (a subclass may compute differently), has no LoRA or
+quantization, runs in a replica of a tfdist mesh strategy, and its weight is
+split by a `LayoutMap` (`tfdist.distribution`): shard-wise (tensor parallel)
+when one mesh axis other than the batch axis splits it, and otherwise FSDP,
+the weight gathered for its contraction and gathered again in the backward
+pass (`weight_reads.regathered`: the whole weight is not kept alive between
+the passes). Any other layer runs its original `call`, whose weight reads
+gather the whole weight (FSDP, `tfdist.weight_reads`), exact for any layer.
+`tests/internal/test_keras_tensor_parallel.py` checks every entry against the
+installed Keras and the original `call`.
 
 Each replica holds its own rows (the batch is split over every replica). For
 a weight split over mesh axis A of size M (shapes for a replica's `b` rows):
@@ -28,7 +31,8 @@ a weight split over mesh axis A of size M (shapes for a replica's `b` rows):
         holds (zero elsewhere) -> reduce_scatter over A -> [b, ..., d]
 
 The weight itself is never gathered over A; dimensions split over other axes
-(a Gemma kernel's dimension on the batch axis) are gathered when read (FSDP).
+(a Gemma kernel's dimension on the batch axis) are gathered for the
+contraction, and again in the backward pass (FSDP).
 Biases are added where the output columns are local (sliced if replicated),
 activations after the columns are whole again.
 """
@@ -48,8 +52,12 @@ def _layout(variable):
     return keras_variables.layout_of(variable)
 
 
-def _tp_axis(layer, variable) -> Optional[str]:
-    """The one mesh axis (not the batch axis) `variable` is split over, or None."""
+def _plan(layer, variable):
+    """`(layout, axis)` for a split `variable` of `layer`, or None (run Keras's `call`).
+
+    `axis` is the one mesh axis other than the batch axis the weight is split
+    over (tensor parallel), or None: every split dimension is gathered (FSDP).
+    """
     mesh_runtime = runtime.current_runtime()
     layouts = getattr(getattr(mesh_runtime, "extended", None), "keras_layouts", None)
     if layouts is None or tf.distribute.in_cross_replica_context():
@@ -57,10 +65,10 @@ def _tp_axis(layer, variable) -> Optional[str]:
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return None
     layout = _layout(variable)
-    if layout is None:
+    if layout is None or not layout.sharded_mesh_axes:
         return None
     axes = [a for a in layout.sharded_mesh_axes if a != layouts.batch_axis]
-    return axes[0] if len(axes) == 1 else None
+    return layout, (axes[0] if len(axes) == 1 else None)
 
 
 def _dim_on(variable, axis) -> Optional[int]:
@@ -70,16 +78,22 @@ def _dim_on(variable, axis) -> Optional[int]:
     return layout.mesh_axes.index(axis)
 
 
-def _read_local(variable, axis):
-    """`variable` with its dimension on `axis` kept local (other split dimensions gathered)."""
-    with weight_reads.local_axes(axis):
-        return tf.convert_to_tensor(variable)
+def _contract(contract, x, variable, layout, axis=None):
+    """`contract(x, weight)`: the weight's dimension on `axis` local, the others gathered.
+
+    The gathered dimensions (FSDP) are gathered again for the backward pass
+    (`weight_reads.regathered`), not kept alive between the passes.
+    """
+    with weight_reads.local_axes(*layout.sharded_mesh_axes):
+        shard = tf.convert_to_tensor(variable)
+    return weight_reads.regathered(contract, x, shard, layout, keep=(axis,) if axis else ())
 
 
 def _read_slice(variable, axis, dim):
     """This device's part (along `axis`) of dimension `dim` of `variable`."""
     if _dim_on(variable, axis) == dim:
-        return _read_local(variable, axis)
+        with weight_reads.local_axes(axis):
+            return tf.convert_to_tensor(variable)
     value = tf.convert_to_tensor(variable)
     size = collectives.axis_size(axis)
     width = value.shape[dim] // size
@@ -104,27 +118,36 @@ def _row(x, axis, split_dim, compute):
     return collectives.reduce_scatter(compute(x_cols), axis, dim=0)  # [b, ..., d_out]
 
 
+def _finish(layer, y, bias):
+    if bias is not None:
+        y = y + bias
+    return layer.activation(y) if layer.activation is not None else y
+
+
 # -- Dense ----------------------------------------------------------------------
 
 
 def dense_call(layer, inputs, training=None):
-    axis = _tp_axis(layer, layer.kernel)
-    if axis is None:
+    plan = _plan(layer, layer.kernel)
+    if plan is None:
         return NotImplemented
+    layout, axis = plan
     x = tf.convert_to_tensor(inputs)
-    kernel_dim = _dim_on(layer.kernel, axis)
-    kernel = _read_local(layer.kernel, axis)
-    if kernel_dim == 1:  # column-parallel
+    matmul = keras.ops.matmul
+    if axis is None:  # FSDP
+        y = _contract(matmul, x, layer.kernel, layout)
+        return _finish(layer, y, None if layer.bias is None else tf.convert_to_tensor(layer.bias))
+    if _dim_on(layer.kernel, axis) == 1:  # column-parallel
 
         def compute(x_all):
-            y = keras.ops.matmul(x_all, kernel)
+            y = _contract(matmul, x_all, layer.kernel, layout, axis)
             if layer.bias is not None:
                 y = y + _read_slice(layer.bias, axis, 0)
             return y
 
         y = _column(x, axis, compute, concat_dim=-1)
     else:  # row-parallel
-        y = _row(x, axis, -1, lambda cols: keras.ops.matmul(cols, kernel))
+        y = _row(x, axis, -1, lambda cols: _contract(matmul, cols, layer.kernel, layout, axis))
         if layer.bias is not None:
             y = y + tf.convert_to_tensor(layer.bias)
     return layer.activation(y) if layer.activation is not None else y
@@ -144,20 +167,29 @@ def _einsum_specs(equation):
 
 
 def einsum_dense_call(layer, inputs, training=None):
-    axis = _tp_axis(layer, layer.kernel)
-    specs = _einsum_specs(layer.equation)
-    if axis is None or specs is None:
+    plan = _plan(layer, layer.kernel)
+    if plan is None:
         return NotImplemented
-    x_spec, kernel_spec, out_spec = specs
-    letter = kernel_spec[_dim_on(layer.kernel, axis)]
-    if letter in x_spec and letter in out_spec:
-        return NotImplemented  # a dimension of input, kernel and output alike
+    layout, axis = plan
     x = tf.convert_to_tensor(inputs)
-    kernel = _read_local(layer.kernel, axis)
+
+    def einsum(x, kernel):
+        return keras.ops.einsum(layer.equation, x, kernel)
+
+    specs = _einsum_specs(layer.equation)
+    letter = None
+    if axis is not None and specs is not None:
+        x_spec, kernel_spec, out_spec = specs
+        letter = kernel_spec[_dim_on(layer.kernel, axis)]
+        if letter in x_spec and letter in out_spec:
+            letter = None  # a dimension of input, kernel and output alike
+    if letter is None:  # FSDP
+        y = _contract(einsum, x, layer.kernel, layout)
+        return _finish(layer, y, None if layer.bias is None else tf.convert_to_tensor(layer.bias))
     if letter in out_spec:  # column-parallel: output dimension `letter` local
 
         def compute(x_all):
-            y = keras.ops.einsum(layer.equation, x_all, kernel)
+            y = _contract(einsum, x_all, layer.kernel, layout, axis)
             if layer.bias is not None:
                 y = y + _einsum_bias(layer, out_spec, axis, letter)
             return y
@@ -165,7 +197,7 @@ def einsum_dense_call(layer, inputs, training=None):
         y = _column(x, axis, compute, concat_dim=out_spec.index(letter))
     else:  # row-parallel: contracted dimension `letter` split
         y = _row(x, axis, x_spec.index(letter),
-                 lambda cols: keras.ops.einsum(layer.equation, cols, kernel))
+                 lambda cols: _contract(einsum, cols, layer.kernel, layout, axis))
         if layer.bias is not None:
             y = y + tf.convert_to_tensor(layer.bias)
     return layer.activation(y) if layer.activation is not None else y
@@ -184,22 +216,31 @@ def _einsum_bias(layer, out_spec, axis, letter):
 
 
 def embedding_call(layer, inputs):
-    axis = _tp_axis(layer, layer.embeddings)
-    if axis is None:
+    plan = _plan(layer, layer.embeddings)
+    if plan is None:
         return NotImplemented
+    layout, axis = plan
     ids = tf.convert_to_tensor(inputs)
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
-    table = _read_local(layer.embeddings, axis)
+    if axis is None:  # FSDP
+        out = _contract(lambda ids, table: keras.ops.take(table, ids, axis=0), ids,
+                        layer.embeddings, layout)
+        return tf.cast(out, layer.compute_dtype)
     ids_all = collectives.all_gather(ids, axis, dim=0)  # [b*M, ...]
     if _dim_on(layer.embeddings, axis) == 0:  # vocabulary split: [V/M, d]
-        rows = table.shape[0]
-        local = ids_all - tf.cast(collectives.axis_index(axis) * rows, ids_all.dtype)
-        found = _held_rows(table, local)  # [b*M, ..., d], zero for other shards' ids
+
+        def lookup(ids_all, table):
+            rows = table.shape[0]
+            local = ids_all - tf.cast(collectives.axis_index(axis) * rows, ids_all.dtype)
+            return _held_rows(table, local)  # [b*M, ..., d], zero for other shards' ids
+
+        found = _contract(lookup, ids_all, layer.embeddings, layout, axis)
         out = collectives.reduce_scatter(found, axis, dim=0)  # [b, ..., d]
     else:  # features split: [V, d/M]
-        out = collectives.all_to_all(tf.gather(table, ids_all), axis, split_dim=0,
-                                     concat_dim=-1)
+        found = _contract(lambda ids_all, table: tf.gather(table, ids_all), ids_all,
+                          layer.embeddings, layout, axis)
+        out = collectives.all_to_all(found, axis, split_dim=0, concat_dim=-1)
     return tf.cast(out, layer.compute_dtype)
 
 
@@ -230,21 +271,29 @@ def reversible_embedding_call(layer, inputs, reverse=False):
     if not reverse:
         return NotImplemented  # the original calls Embedding.call (dispatched too)
     weight = layer.embeddings if layer.tie_weights else layer.reverse_embeddings
-    axis = _tp_axis(layer, weight)
-    if axis is None:
+    plan = _plan(layer, weight)
+    if plan is None:
         return NotImplemented
-    # Output (vocabulary) dimension: 0 of the tied table [V, d], 1 of [d, V].
-    vocab_dim = 0 if layer.tie_weights else 1
+    layout, axis = plan
     x = tf.convert_to_tensor(inputs)
-    part = _read_local(weight, axis)
-    kernel = tf.transpose(part) if layer.tie_weights else part
     if layer.reverse_dtype is not None:
         x = tf.cast(x, layer.reverse_dtype)
-        kernel = tf.cast(kernel, layer.reverse_dtype)
-    if _dim_on(weight, axis) == vocab_dim:
-        logits = _column(x, axis, lambda x_all: keras.ops.matmul(x_all, kernel), -1)
+
+    def project(x, part):
+        kernel = tf.transpose(part) if layer.tie_weights else part
+        if layer.reverse_dtype is not None:
+            kernel = tf.cast(kernel, layer.reverse_dtype)
+        return keras.ops.matmul(x, kernel)
+
+    # Output (vocabulary) dimension: 0 of the tied table [V, d], 1 of [d, V].
+    vocab_dim = 0 if layer.tie_weights else 1
+    if axis is None:  # FSDP
+        logits = _contract(project, x, weight, layout)
+    elif _dim_on(weight, axis) == vocab_dim:
+        logits = _column(x, axis, lambda x_all: _contract(project, x_all, weight, layout, axis),
+                         -1)
     else:
-        logits = _row(x, axis, -1, lambda cols: keras.ops.matmul(cols, kernel))
+        logits = _row(x, axis, -1, lambda cols: _contract(project, cols, weight, layout, axis))
     if layer.logit_soft_cap is not None:
         cap = layer.logit_soft_cap
         logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, cap)), cap)

@@ -40,7 +40,7 @@ from tensorflow.python.framework import ops
 
 from tfdist import weight_reads
 from tfdist.clipping import clip_global
-from tfdist.internal import keras_variables
+from tfdist.internal import keras_h5_slices, keras_variables
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.mesh import TensorLayout
 
@@ -106,18 +106,37 @@ class ShardedVariable(values.MirroredVariable):
         # primary component and would save shard 0.
         return np.asarray(self.read_value().numpy(), dtype=dtype)
 
+    # A Keras weights file's dataset (`keras_h5_slices.H5Slices`) is assigned
+    # here unread, and each shard reads its own slice of it.
+    _tfdist_assign_slices = True
+
     def _update_cross_replica(self, update_fn, value, **kwargs):
-        value = tf.convert_to_tensor(value, dtype=self.dtype)
-        if value.shape.rank is not None and tuple(value.shape) != self._tfdist_layout.shape:
-            raise ValueError(
-                f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
-                f"variable {self.name!r} of global shape {self._tfdist_layout.shape}."
-            )
-        shards = split_global(self._tfdist_layout, value)
+        layout = self._tfdist_layout
+        if isinstance(value, keras_h5_slices.H5Slices) and not layout.is_padded:
+            read = {}  # one read per distinct shard of this process
+
+            def shard_of(device):
+                slices = layout.shard_slices(device)
+                key = tuple((s.start, s.stop) for s in slices)
+                if key not in read:
+                    read[key] = tf.cast(value.read(slices), self.dtype)
+                return read[key]
+        else:
+            value = tf.convert_to_tensor(value, dtype=self.dtype)
+            if value.shape.rank is not None and tuple(value.shape) != layout.shape:
+                raise ValueError(
+                    f"Cannot assign a value of shape {tuple(value.shape)} to sharded "
+                    f"variable {self.name!r} of global shape {layout.shape}."
+                )
+            shards = split_global(layout, value)
+
+            def shard_of(device):
+                return shards[device]
+
         index = self._distribute_strategy.extended.mesh_device_index
         updates = []
         for i, component in enumerate(self._values):  # this process's shards only
-            shard = shards[index(i)]
+            shard = shard_of(index(i))
             with tf.device(component.device):
                 updates.append(update_fn(component, shard, **kwargs))
         if all(isinstance(u, tf.Variable) for u in updates):
@@ -183,8 +202,9 @@ def _drop_padding(slices):
     """`slices` without its padding entries (index -1, `tfdist.collectives`).
 
     A sharded weight read whole (FSDP) or looked up on its shard gets padding
-    entries for rows other devices hold; they must touch no row, since Keras's
-    optimizers update only the rows a sparse gradient has (Adam's moments).
+    entries for rows other devices hold; they must touch no row, and an index
+    -1 is out of range for the scatter updates Keras's TF optimizer applies
+    sparse gradients with.
     """
     keep = slices.indices >= 0
     return tf.IndexedSlices(tf.boolean_mask(slices.values, keep),
@@ -314,6 +334,11 @@ class ShardRouting:
         layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
         gather_on_read = False
+        if layout is not None and colocate_with is None and self.keras_layouts is not None:
+            # A tfdist layer's weight under a LayoutMap: the two must agree.
+            keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
+            if keras_variable is not None:
+                self.keras_layouts.check_agrees(keras_variable.path, layout)
         if layout is None and isinstance(colocate_with, ShardedVariable):
             layout = self._slot_layout(colocate_with, kwargs)
         elif layout is None and colocate_with is None and self.keras_layouts is not None:

@@ -103,6 +103,47 @@ class Transformer(keras.Model):
         self._vocab_axis = sharded_mesh_axis(self.target_embedding.weight_layouts["embeddings"], 0)
         self.built = True
 
+    # The logical axes of every split weight, by path (LayoutMap keys: regexes that
+    # match the whole `variable.path`).
+    LOGICAL_AXES = {
+        r".*_embedding/embeddings": ("vocab", "d_model"),
+        r".*attention/(query|key|value)": ("d_model", "heads", "d_kv"),
+        r".*attention/output": ("heads", "d_kv", "d_model"),
+        r".*ffn/inner/kernel": ("d_model", "d_ff"),
+        r".*ffn/inner/bias": ("d_ff",),
+        r".*ffn/outer/kernel": ("d_ff", "d_model"),
+        # MoE with experts and d_ff on one mesh axis: each expert whole on one device.
+        r".*ffn/wi": ("experts", "d_model", None),
+        r".*ffn/wo": ("experts", None, "d_model"),
+    }
+
+    @classmethod
+    def get_layout_map(cls, device_mesh, model_parallel_dim_name="model",
+                       data_parallel_dim_name="batch"):
+        """A `LayoutMap` in keras-hub's convention: Megatron and GShard over one axis.
+
+        Attention heads, the feed-forward hidden units, the (tied) vocabulary
+        and the MoE experts are split over `model_parallel_dim_name`; the batch
+        over `data_parallel_dim_name`. The result is a
+        `tfdist.distribution.RulesLayoutMap`: under
+        `tfdist.distribution.ModelParallel(layout_map=...)` the model trains
+        exactly as under `MeshStrategy(mesh, "batch:<data>;heads:<model>;
+        d_ff:<model>;vocab:<model>;experts:<model>")`, the same weight layouts,
+        the same tensor-parallel computation.
+
+        Args:
+            device_mesh: a `keras.distribution.DeviceMesh`.
+            model_parallel_dim_name: its model-parallel axis.
+            data_parallel_dim_name: its data-parallel axis.
+        """
+        from tfdist.distribution.rules_layout_map import RulesLayoutMap, check_dim_names
+
+        check_dim_names(device_mesh, model_parallel_dim_name=model_parallel_dim_name,
+                        data_parallel_dim_name=data_parallel_dim_name)
+        model, data = model_parallel_dim_name, data_parallel_dim_name
+        rules = f"batch:{data};heads:{model};d_ff:{model};vocab:{model};experts:{model}"
+        return RulesLayoutMap(device_mesh, rules, cls.LOGICAL_AXES)
+
     # -- pieces ---------------------------------------------------------------
 
     def _embed(self, embedding, ids, start=0, training=None):
