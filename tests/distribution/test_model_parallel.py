@@ -253,3 +253,70 @@ def test_weights_and_slots_are_made_shard_by_shard_when_asked(initialize_shards)
     for slot in optimizer.variables[2:]:
         assert [tuple(c.shape) for c in slot.value.values] in ([(256, 128)] * 4, [(128,)] * 4)
         assert not np.any(slot.numpy())
+
+
+def _fit_both(strategy, optimizer, x, y, batch_size):
+    keras.utils.set_random_seed(0)
+    reference = functional_model()
+    with strategy.scope():
+        model = functional_model()
+    model.set_weights(reference.get_weights())
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy.scope():
+        model.compile(optimizer(), loss)
+    reference.compile(optimizer(), loss)
+    histories = [m.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history["loss"]
+                 for m in (model, reference)]
+    return model, reference, histories
+
+
+def test_keras_training_options_and_a_partial_last_batch_match_one_device():
+    """global_clipnorm, EMA (with overwrite), gradient accumulation and a 4-row last
+    batch together, on TP + FSDP (2x2): weights and every optimizer variable."""
+    x, y = data(76)  # 9 batches of 8 and one of 4
+
+    def optimizer():
+        return keras.optimizers.Adam(1e-2, global_clipnorm=0.05, use_ema=True,
+                                     ema_momentum=0.9, ema_overwrite_frequency=3,
+                                     gradient_accumulation_steps=2)
+
+    strategy = td.ModelParallel(layout_map=functional_layout_map(keras_mesh((2, 2))))
+    model, reference, (curve, reference_curve) = _fit_both(strategy, optimizer, x, y, 8)
+    np.testing.assert_allclose(curve, reference_curve, rtol=1e-5)
+    for a, b in zip(model.get_weights() + [v.numpy() for v in model.optimizer.variables],
+                    reference.get_weights() + [v.numpy() for v in reference.optimizer.variables]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    # The threshold clips: without it one device trains elsewhere.
+    keras.utils.set_random_seed(0)
+    unclipped = functional_model()
+    unclipped.compile(keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.9,
+                                            ema_overwrite_frequency=3,
+                                            gradient_accumulation_steps=2),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    unclipped.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max(np.abs(a - b).max() for a, b in zip(unclipped.get_weights(),
+                                                  reference.get_weights())) > 1e-3
+
+
+@pytest.fixture
+def mixed_bfloat16():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16_matches_the_single_device_mixed_precision_model(mixed_bfloat16):
+    """bfloat16 rounds every partial sum, so the measure is the weights' relative L2
+    error (as tests/strategies/test_fit_options.py measures tfdist's own layers)."""
+    x, y = data(80)
+    strategy = td.ModelParallel(layout_map=functional_layout_map(keras_mesh((2, 2))))
+    model, reference, (curve, reference_curve) = _fit_both(
+        strategy, lambda: keras.optimizers.Adam(1e-2), x, y, 8)
+    assert model.get_layer("ffn_up").compute_dtype == "bfloat16"
+    assert next(v for v in model.weights if v.path == "ffn_up/kernel").dtype == "float32"
+    a = np.concatenate([w.ravel() for w in model.get_weights()])
+    b = np.concatenate([w.ravel() for w in reference.get_weights()])
+    weights = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    loss = max(abs(p - q) / abs(q) for p, q in zip(curve, reference_curve))
+    print(f"mixed_bfloat16 ModelParallel 2x2: weights {weights:.1e} (relative L2), loss {loss:.1e}")
+    assert weights < 2e-2 and loss < 1e-2

@@ -39,6 +39,7 @@ import tensorflow as tf
 from keras.src import ops
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
+from tfdist import runtime, weight_reads
 from tfdist.clipping import Clipping
 from tfdist.internal.optimizer_gradients import _routed
 
@@ -116,15 +117,19 @@ def _update_moving_averages(optimizer):
     """Keras's `_update_model_variables_moving_average`, assigning each replica's components.
 
     Keras assigns through `keras.Variable.assign`, which checks the value against
-    the weight's global shape; in a replica a sharded weight's average is a shard.
+    the weight's global shape; in a replica a sharded weight's average is a shard,
+    and so is the weight read here (a `LayoutMap` weight would otherwise read
+    gathered whole, `tfdist.weight_reads`).
     """
-    for var, average in zip(optimizer._trainable_variables,
-                            optimizer._model_variables_moving_average):
-        if average is not None:
-            not_first_step = ops.not_equal(optimizer.iterations, 0)
-            momentum = ops.multiply(ops.cast(not_first_step, var.dtype), optimizer.ema_momentum)
-            optimizer.assign(average, ops.add(ops.multiply(momentum, average),
-                                              ops.multiply(ops.subtract(1, momentum), var)))
+    with weight_reads.local_axes(*runtime.current_mesh().shape.names):
+        for var, average in zip(optimizer._trainable_variables,
+                                optimizer._model_variables_moving_average):
+            if average is not None:
+                not_first_step = ops.not_equal(optimizer.iterations, 0)
+                momentum = ops.multiply(ops.cast(not_first_step, var.dtype),
+                                        optimizer.ema_momentum)
+                optimizer.assign(average, ops.add(ops.multiply(momentum, average),
+                                                  ops.multiply(ops.subtract(1, momentum), var)))
 
 
 def _maybe_overwrite_with_averages(strategy, optimizer):
