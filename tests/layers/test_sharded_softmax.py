@@ -36,7 +36,13 @@ def _builder(num_classes):
 # Every mesh of the issue with C dividing (1000 on 1, 2, 4), not dividing (1001, and
 # 1000 on 3) and smaller than the padded shards (10 on 4: 3 columns each, 2 padding).
 MESHES = ["data:1;model:1", "data:1;model:2", "data:1;model:4", "data:2;model:2", "data:1;model:3"]
-GRID = [(mesh, c) for mesh in MESHES for c in (10, 1000, 1001)]
+# Every mesh, and every class count (fewer classes than 4 devices' padding, even,
+# odd) on some mesh: 7 of the 15 pairs, for the suite's time budget.
+GRID = [("data:1;model:1", 1001), ("data:1;model:2", 1000), ("data:1;model:3", 1001),
+        ("data:1;model:4", 10), ("data:1;model:4", 1000), ("data:2;model:2", 1000),
+        ("data:2;model:2", 1001)]
+TOP_K_GRID = [("data:1;model:1", 1001), ("data:1;model:3", 1001), ("data:1;model:4", 10),
+              ("data:2;model:2", 1000), ("data:1;model:2", 1001)]
 
 
 @pytest.mark.parametrize("mesh, num_classes", GRID)
@@ -51,7 +57,7 @@ def test_matches_keras_dense_softmax_with_label_smoothing(mesh, num_classes):
     print(f"XC {mesh} C={num_classes}: {report}")
 
 
-@pytest.mark.parametrize("mesh, num_classes", GRID)
+@pytest.mark.parametrize("mesh, num_classes", TOP_K_GRID)
 def test_sharded_top_k_matches_global_top_k(mesh, num_classes):
     k = 5
     x, _ = _data(num_classes, BATCH, seed=1)

@@ -27,10 +27,11 @@ OPTIMIZERS = {
 STEPS, BATCH = 20, 16
 
 
-# Adam on every mesh; plain SGD (no slots) on one data- and one model-parallel mesh,
-# to keep CI time down.
-CASES = [(mesh, "adam") for mesh in MESHES] + [
-    (mesh, "sgd") for mesh in ("data:2;model:1", "data:1;model:4")]
+# Adam on every mesh but 1x1 (the reference itself) and 2x4 (8 replicas: 2x2 and
+# 1x4 cover its paths); plain SGD (no slots) on a model-parallel mesh. All pass;
+# the suite's time budget.
+CASES = [(mesh, "adam") for mesh in MESHES if mesh not in ("data:1;model:1", "data:2;model:4")] \
+    + [("data:1;model:4", "sgd")]
 
 
 @pytest.mark.parametrize("mesh, optimizer", CASES)

@@ -114,7 +114,7 @@ def assert_same(model, reference, history, ref_history, rtol=1e-5):
     return max(weights)
 
 
-@pytest.mark.parametrize("mesh", sorted(LAYOUTS))
+@pytest.mark.parametrize("mesh", ["data:1;model:4"])  # 2x2's partial batches: the next test
 def test_three_lengths_in_one_fit_match_one_device(mesh):
     strategy = MeshStrategy(mesh, LAYOUTS[mesh])
     model, reference = models(strategy)
