@@ -29,11 +29,14 @@ class KerasLayouts:
             weights split over it are always gathered when read (FSDP).
         initialize_shards: draw random initial values shard by shard (see
             `tfdist.distribution.ModelParallel`).
+        reshard_after_forward: FSDP weights of the layers tfdist knows are
+            gathered again for the backward pass (see `ModelParallel`).
     """
 
     def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str,
-                 initialize_shards: bool = False):
+                 initialize_shards: bool = False, reshard_after_forward: bool = True):
         self.initialize_shards = bool(initialize_shards)
+        self.reshard_after_forward = bool(reshard_after_forward)
         self.layout_map = layout_map
         self.mesh_shape = mesh_shape
         if batch_axis not in mesh_shape.names:
@@ -45,12 +48,14 @@ class KerasLayouts:
 
     @classmethod
     def for_mesh(cls, device_mesh, layout_map, batch_dim_name: Optional[str] = None,
-                 initialize_shards: bool = False) -> "KerasLayouts":
+                 initialize_shards: bool = False,
+                 reshard_after_forward: bool = True) -> "KerasLayouts":
         """The layouts of `layout_map` (or None) on a Keras `DeviceMesh`; the batch
         axis defaults to the mesh's first."""
         mesh_shape = keras_mesh_shape(device_mesh)
         return cls(layout_map, mesh_shape, batch_dim_name or mesh_shape.names[0],
-                   initialize_shards=initialize_shards)
+                   initialize_shards=initialize_shards,
+                   reshard_after_forward=reshard_after_forward)
 
     def _check_spec(self, spec, what):
         mesh = getattr(spec, "device_mesh", None)

@@ -99,13 +99,13 @@ def test_the_keras_variable_and_layout_map_hooks():
     assert layout_map_of(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
 
 
-def _strategy(shape, layouts):
+def _strategy(shape, layouts, **options):
     n = int(np.prod(shape))
     layout_map = td.LayoutMap(td.DeviceMesh(shape, ("batch", "model"),
                                             [f"cpu:{i}" for i in range(n)]))
     for key, value in layouts.items():
         layout_map[key] = value
-    return td.ModelParallel(layout_map=layout_map)
+    return td.ModelParallel(layout_map=layout_map, **options)
 
 
 def _global_gradient(var, parts):
@@ -217,10 +217,11 @@ _PASS_THROUGH = {"Unpack", "ConcatV2", "Identity", "IdentityN", "Cast", "Transpo
 def _weights_kept_for_the_backward_pass(strategy, layer, x):
     """Forward all-gathers of a weight whose result an op of the backward pass reads."""
 
-    def replica():
+    def replica():  # the input's gradient too, as for any layer but the first
         with tf.GradientTape() as tape:
+            tape.watch(x)
             loss = tf.reduce_sum(layer(x))
-        return tape.gradient(loss, [v.value for v in layer.trainable_weights])
+        return tape.gradient(loss, [x] + [v.value for v in layer.trainable_weights])
 
     graph = tf.function(lambda: strategy.run(replica)).get_concrete_function().graph
 
@@ -232,8 +233,9 @@ def _weights_kept_for_the_backward_pass(strategy, layer, x):
         wait for a gradient: `regathered`'s identity has a control input)."""
         if op.type == "ReadVariableOp":
             return True
-        return not op.control_inputs and \
-            op.type in _PASS_THROUGH | {"CollectiveGatherV2", "ExpandDims", "StridedSlice"} \
+        if op.type == "Identity" and op.control_inputs:
+            return False
+        return op.type in _PASS_THROUGH | {"CollectiveGatherV2", "ExpandDims", "StridedSlice"} \
             and any(reads_a_variable(t.op) for t in op.inputs)
 
     kept = []
@@ -269,3 +271,8 @@ def test_fsdp_gathers_again_in_the_backward_pass_instead_of_keeping_the_weight(m
         kept[cls] = _weights_kept_for_the_backward_pass(strategy, layer, x)
     assert kept[OtherEinsumDense], "the check finds a gathered weight the tape keeps"
     assert kept[keras.layers.EinsumDense] == []
+    strategy = _strategy((2, 2), {"l/kernel": layout}, reshard_after_forward=False)
+    with strategy.scope():
+        layer = make(keras.layers.EinsumDense)
+        layer.build((None, 3, 8))
+    assert _weights_kept_for_the_backward_pass(strategy, layer, x)  # asked to keep it

@@ -78,6 +78,14 @@ class ModelParallel(MeshStrategy):
             shard is drawn on its own device from the same distribution
             (Glorot/He/LeCun scaled by the whole weight's fans), so no device
             ever holds a whole weight; the numbers then differ from one device's.
+        reshard_after_forward: FSDP's memory/time trade (PyTorch FSDP's name).
+            True (default): a gathered weight of `Dense`, `EinsumDense`,
+            `Embedding` and `ReversibleEmbedding` lives only for its forward
+            contraction and is gathered again for the backward pass, so the
+            peak holds the shards plus about one layer's whole weights; it
+            costs a second all-gather per weight and step. False: the gathered
+            weight is kept from the forward to the backward pass (one gather).
+            Other layers always keep it.
         **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
             `max_shapes`).
 
@@ -103,6 +111,7 @@ class ModelParallel(MeshStrategy):
         batch_dim_name: Optional[str] = None,
         devices: Union[None, str, Sequence[str]] = None,
         initialize_shards: bool = False,
+        reshard_after_forward: bool = True,
         **options,
     ):
         if device_mesh is None and layout_map is None:
@@ -111,7 +120,8 @@ class ModelParallel(MeshStrategy):
         if device_mesh is None:
             device_mesh = layout_map.device_mesh
         layouts = KerasLayouts.for_mesh(device_mesh, layout_map, batch_dim_name,  # checked first
-                                        initialize_shards=initialize_shards)
+                                        initialize_shards=initialize_shards,
+                                        reshard_after_forward=reshard_after_forward)
         if devices is None:
             devices = _tf_devices(device_mesh)
         # A tfdist model's layout map (`RulesLayoutMap`) carries its layout rules:

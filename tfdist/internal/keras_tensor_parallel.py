@@ -52,14 +52,18 @@ def _layout(variable):
     return keras_variables.layout_of(variable)
 
 
+def _keras_layouts():
+    mesh_runtime = runtime.current_runtime()
+    return getattr(getattr(mesh_runtime, "extended", None), "keras_layouts", None)
+
+
 def _plan(layer, variable):
     """`(layout, axis)` for a split `variable` of `layer`, or None (run Keras's `call`).
 
     `axis` is the one mesh axis other than the batch axis the weight is split
     over (tensor parallel), or None: every split dimension is gathered (FSDP).
     """
-    mesh_runtime = runtime.current_runtime()
-    layouts = getattr(getattr(mesh_runtime, "extended", None), "keras_layouts", None)
+    layouts = _keras_layouts()
     if layouts is None or tf.distribute.in_cross_replica_context():
         return None
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
@@ -82,8 +86,12 @@ def _contract(contract, x, variable, layout, axis=None):
     """`contract(x, weight)`: the weight's dimension on `axis` local, the others gathered.
 
     The gathered dimensions (FSDP) are gathered again for the backward pass
-    (`weight_reads.regathered`), not kept alive between the passes.
+    (`weight_reads.regathered`), not kept alive between the passes, unless the
+    strategy keeps them (`reshard_after_forward=False`).
     """
+    if not _keras_layouts().reshard_after_forward:
+        with weight_reads.local_axes(*((axis,) if axis else ())):
+            return contract(x, tf.convert_to_tensor(variable))
     with weight_reads.local_axes(*layout.sharded_mesh_axes):
         shard = tf.convert_to_tensor(variable)
     return weight_reads.regathered(contract, x, shard, layout, keep=(axis,) if axis else ())

@@ -52,9 +52,11 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         layout_map: a `keras.distribution.LayoutMap` instead of `mesh_shape`
             and `layout` (its `DeviceMesh` gives the mesh's axis names and
             sizes; its devices are the ranks): any Keras model's variables are
-            split by path, as `tfdist.distribution.ModelParallel` does.
+            split by path, as `tfdist.distribution.ModelParallel` does (a
+            tfdist model's `get_layout_map` brings its layout rules too).
         batch_dim_name: with `layout_map`, the mesh axis named after the batch
             (default: the first).
+        reshard_after_forward: with `layout_map`, as `ModelParallel`'s.
 
     Example (4 ranks, Megatron MLP split over pairs of ranks):
 
@@ -74,7 +76,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
 
     def __init__(self, compression: str = "none", device: Optional[str] = None,
                  reduction: str = "sum", mesh_shape=None, layout=None, layout_map=None,
-                 batch_dim_name: Optional[str] = None):
+                 batch_dim_name: Optional[str] = None, reshard_after_forward: bool = True):
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
                              f"received compression={compression!r}.")
@@ -97,8 +99,10 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                                  f"not both; received layout_map and mesh_shape={mesh_shape!r}, "
                                  f"layout={layout!r}.")
             keras_layouts = KerasLayouts.for_mesh(layout_map.device_mesh, layout_map,
-                                                  batch_dim_name)
+                                                  batch_dim_name,
+                                                  reshard_after_forward=reshard_after_forward)
             mesh_shape = keras_layouts.mesh_shape
+            layout = getattr(layout_map, "layout_rules", None)  # a RulesLayoutMap's
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
         # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
