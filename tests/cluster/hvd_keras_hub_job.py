@@ -35,6 +35,18 @@ from test_keras_hub import LENGTH, VOCAB, language_model  # noqa: E402
 from tfdist.testing.equivalence import assert_equivalent  # noqa: E402
 from tfdist.testing.memory import device_bytes  # noqa: E402
 
+# Whole values rank 0 broadcasts: sharded ones only for random initial values
+# (slots and constant-initialised weights are made by each rank, shard by shard).
+broadcast, broadcast_shapes = strategy.extended.hvd.broadcast, []
+
+
+def recording_broadcast(value, *args, **kwargs):
+    broadcast_shapes.append(tuple(value.shape.as_list()))
+    return broadcast(value, *args, **kwargs)
+
+
+strategy.extended.hvd.broadcast = recording_broadcast
+
 rng = np.random.default_rng(0)
 x = {"token_ids": rng.integers(0, VOCAB, (160, LENGTH)).astype("int32"),
      "padding_mask": np.ones((160, LENGTH), "int32")}
@@ -45,5 +57,7 @@ report = assert_equivalent(
     optimizer=lambda: keras.optimizers.Adam(1e-3), batch_size=16, steps=10)
 variables = report.model.weights + report.model.optimizer.variables
 one_process = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+sharded = [v for v in variables if getattr(v.value, "layout", None) is not None]
+whole = sum(1 for s in broadcast_shapes if s in {tuple(v.shape) for v in sharded})
 print(f"rank {strategy.rank} gemma {sys.argv[1]}: {report}; bytes {device_bytes(report.model)} "
-      f"of {one_process}", flush=True)
+      f"of {one_process}; sharded variables {len(sharded)}, broadcast whole {whole}", flush=True)

@@ -174,8 +174,12 @@ def test_a_keras_hub_backbone_with_its_layout_map_over_ranks_matches_one_process
                              KERAS_HUB_JOB, shape], capture_output=True, text=True, timeout=400,
                             cwd=ROOT, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    lines = re.findall(rf"rank (\d) gemma {shape}: (.*); bytes (\d+) of (\d+)", result.stdout)
+    lines = re.findall(rf"rank (\d) gemma {shape}: (.*); bytes (\d+) of (\d+); sharded "
+                       r"variables (\d+), broadcast whole (\d+)", result.stdout)
     assert sorted(int(r) for r, *_ in lines) == [0, 1], result.stdout[-2000:]
-    for _, report, held, total in lines:
+    for _, report, held, total, sharded, whole in lines:
         assert int(held) < 0.75 * int(total)  # embeddings and kernels split over the ranks
-        print(f"gemma {shape} over 2 ranks: {report}; {held} of {total} bytes per rank")
+        # Weights, Adam's two slots each: only the (random) weights come whole from rank 0.
+        assert 0 < int(whole) <= int(sharded) // 3, (sharded, whole)
+        print(f"gemma {shape} over 2 ranks: {report}; {held} of {total} bytes per rank; "
+              f"{whole} of {sharded} sharded variables broadcast whole")

@@ -13,7 +13,7 @@ strategy's cross-replica engine: a MirroredExtended over this process's one
 device whose replica count is `hvd.size()`, whose reductions are Horovod
 all-reduces (gradients routed by variable through `tfdist.comm.HorovodBackend`'s
 grouped all-reduce, see `ShardRouting`), whose variables start from rank 0's
-initial values, and whose datasets give each rank its contiguous slice of
+initial values (shards: see below), and whose datasets give each rank its contiguous slice of
 every global batch (as MirroredStrategy splits a batch over its devices), so
 an unmodified Keras 3 `fit` trains exactly like one process on the same
 global batches. Metric variables are on-read synchronised: read outside a
@@ -31,8 +31,9 @@ when the mesh splits a weight over ranks (so layers exchange activations),
 every rank is also padded to the largest, predictions included.
 
 With a mesh, rank `r` is mesh device `r`: a sharded weight is a
-`HorovodShardedVariable` holding only this rank's shard (cut from rank 0's
-global initial value), its gradient is summed over the ranks that hold the
+`HorovodShardedVariable` holding only this rank's shard (made on this rank
+for optimizer slots and constant initializers, else cut from rank 0's global
+initial value), its gradient is summed over the ranks that hold the
 same shard (`ShardRouting`, with Horovod process sets as the backend), and
 reading it globally (`get_weights`, saving) all-gathers the shards, so every
 rank must read it at the same time.
@@ -79,10 +80,13 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     def mesh_device_index(self, local_replica: int) -> int:
         return self.hvd.rank() + local_replica
 
-    # -- variables: rank 0's initial values everywhere --------------------------
+    # -- variables: rank 0's initial values, or each rank's own shard -----------
 
     _sharded_variable_class = HorovodShardedVariable
-    _shard_by_shard = False  # rank 0's global value, broadcast: ranks holding a shard agree
+    # Each rank makes its own shard where that is deterministic (slots, constant
+    # initializers; seeded random ones with initialize_shards); other sharded
+    # weights start from rank 0's global value, broadcast.
+    _shards_made_per_process = True
 
     def _create_replicated_variable(self, next_creator, **kwargs):
         initial = kwargs.get("initial_value")

@@ -57,7 +57,7 @@ _ELEMENTWISE_RANDOM = (keras.initializers.RandomNormal, keras.initializers.Rando
                        keras.initializers.TruncatedNormal)
 
 
-def shard_maker(initializer, layout, dtype, random: bool):
+def shard_maker(initializer, layout, dtype, random: bool, seeded_only: bool = False):
     """`make(shard_index, local_shape)` drawing one shard's initial value alone, or None.
 
     Constant initializers (`Zeros`, `Ones`, a scalar `Constant`) give exactly the slice of
@@ -65,7 +65,9 @@ def shard_maker(initializer, layout, dtype, random: bool):
     `RandomUniform`, `TruncatedNormal`) and `VarianceScaling` (Glorot, He,
     LeCun: its scale from the *global* shape's fans) draw each shard from the
     same distribution with a seed of its own (`seed + shard index`): the same
-    distribution as one device's, not the same numbers. Anything else: None.
+    distribution as one device's, not the same numbers. With `seeded_only`
+    (processes that each make their own shard, and must agree where they hold
+    the same one), only initializers with an integer seed. Anything else: None.
 
     Private Keras API used here: `keras.src.initializers.random_initializers.compute_fans`.
     """
@@ -80,6 +82,8 @@ def shard_maker(initializer, layout, dtype, random: bool):
         return None
     variance = isinstance(initializer, keras.initializers.VarianceScaling)
     if not variance and type(initializer) not in _ELEMENTWISE_RANDOM:
+        return None
+    if seeded_only and not isinstance(getattr(initializer, "seed", None), int):
         return None
 
     def make(index, shape):

@@ -359,7 +359,8 @@ class ShardRouting:
             make_shard = keras_variables.shard_maker(
                 keras_variables.initializer_of(kwargs.get("initial_value")), layout,
                 kwargs.get("dtype"), random=getattr(self.keras_layouts, "initialize_shards",
-                                                    False))
+                                                    False),
+                seeded_only=self._shards_made_per_process)
         variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
                                                  **kwargs)
         variable._tfdist_gather_on_read = gather_on_read
@@ -385,7 +386,10 @@ class ShardRouting:
         return primary.layout
 
     _shard_by_shard = True
-    """Whether shards may be initialised one by one (False where processes must agree)."""
+    """Whether shards may be initialised one by one."""
+
+    _shards_made_per_process = False
+    """Whether each process makes its own shards (random ones then need a seed to agree)."""
 
     def _create_sharded_variable(self, next_creator, layout, make_shard=None, **kwargs):
         sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
