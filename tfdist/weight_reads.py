@@ -89,7 +89,9 @@ def regathered(contract, x, shard, layout, keep=()):
     weight), so every layer's whole weight would be held at the peak. Here the
     backward pass gathers the weight again, once the output's gradient has
     arrived, and differentiates `contract` on that copy (its forward result is
-    unused there, so TF prunes it).
+    unused there, so TF prunes it). The forward gather likewise waits for `x`:
+    TF would otherwise run every layer's gather as soon as the step starts
+    (their shards are ready), holding all whole weights at once.
 
     Args:
         contract: `(x, weight) -> y`, differentiable in both (a matmul, einsum
@@ -112,6 +114,9 @@ def regathered(contract, x, shard, layout, keep=()):
 
     @tf.custom_gradient
     def run(x, shard):
+        with tf.control_dependencies([x]):  # not before the forward pass reaches here
+            ready = tf.identity(shard)
+
         def grad(dy):
             with tf.control_dependencies([dy]):  # not before the backward pass reaches here
                 again = tf.identity(shard)
@@ -122,6 +127,6 @@ def regathered(contract, x, shard, layout, keep=()):
             grads = tape.gradient(y, sources, output_gradients=dy)
             return tuple(grads) if x_trainable else (None, grads[0])
 
-        return contract(x, _gather(shard, layout, axes)), grad
+        return contract(x, _gather(ready, layout, axes)), grad
 
     return run(x, shard)

@@ -215,7 +215,11 @@ _PASS_THROUGH = {"Unpack", "ConcatV2", "Identity", "IdentityN", "Cast", "Transpo
 
 
 def _weights_kept_for_the_backward_pass(strategy, layer, x):
-    """Forward all-gathers of a weight whose result an op of the backward pass reads."""
+    """Forward all-gathers of a weight whose result an op of the backward pass reads.
+
+    Replica 0's ops (the others are named `replica_1/...`), split by creation
+    order: the backward pass is every op made from the tape's first op on.
+    """
 
     def replica():  # the input's gradient too, as for any layer but the first
         with tf.GradientTape() as tape:
@@ -224,30 +228,26 @@ def _weights_kept_for_the_backward_pass(strategy, layer, x):
         return tape.gradient(loss, [x] + [v.value for v in layer.trainable_weights])
 
     graph = tf.function(lambda: strategy.run(replica)).get_concrete_function().graph
-
-    def backward(op):  # Keras's gradient ops (`replica_1/gradient_tape/...` on replica 1)
-        return "gradient_tape" in op.name.split("/")
+    ops = [op for op in graph.get_operations() if not op.name.startswith("replica_")]
+    start = next(i for i, op in enumerate(ops) if "gradient_tape" in op.name.split("/"))
+    backward = {op.name for op in ops[start:]}
 
     def reads_a_variable(op):
-        """Whether `op` passes on a variable read of the forward pass (not one made to
-        wait for a gradient: `regathered`'s identity has a control input)."""
         if op.type == "ReadVariableOp":
             return True
-        if op.type == "Identity" and op.control_inputs:
-            return False
         return op.type in _PASS_THROUGH | {"CollectiveGatherV2", "ExpandDims", "StridedSlice"} \
             and any(reads_a_variable(t.op) for t in op.inputs)
 
-    kept = []
-    for op in graph.get_operations():
-        if op.type != "CollectiveGatherV2" or backward(op) or not reads_a_variable(op):
-            continue
+    kept, gathers = [], [op for op in ops[:start]
+                         if op.type == "CollectiveGatherV2" and reads_a_variable(op)]
+    assert gathers, "the forward pass gathers the weight"
+    for op in gathers:
         frontier, readers = [op], []
         while frontier:
             for out in frontier.pop().outputs:
                 for consumer in out.consumers():
                     (frontier if consumer.type in _PASS_THROUGH else readers).append(consumer)
-        if any(backward(r) for r in readers):
+        if any(r.name in backward for r in readers):
             kept.append(op.name)
     return kept
 
