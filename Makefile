@@ -38,6 +38,8 @@ bench: $(STAMP)
 	$(PY) bench/nmt.py
 	$(PY) bench/nmt_buckets.py
 	$(PY) bench/shape_keys.py
+	$(PY) bench/keras_models.py
+	$(PY) bench/fsdp_memory.py
 
 # Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).
 horovod: $(STAMP)
