@@ -51,8 +51,7 @@ class H5Slices:
 
     def read(self, slices=()):
         """The part of the dataset `slices` (a tuple of slices) selects, as a numpy array."""
-        part = self._dataset[tuple(slices)] if self.shape else self._dataset[()]
-        return np.asarray(part).astype(self.dtype, copy=False)
+        return np.asarray(self._dataset[tuple(slices)]).astype(self.dtype, copy=False)
 
     def __array__(self, dtype=None, copy=None):
         whole = self.read()

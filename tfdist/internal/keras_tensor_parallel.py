@@ -126,9 +126,10 @@ def _row(x, axis, split_dim, compute):
     return collectives.reduce_scatter(compute(x_cols), axis, dim=0)  # [b, ..., d_out]
 
 
-def _finish(layer, y, bias):
-    if bias is not None:
-        y = y + bias
+def _finish(layer, y, whole_bias=True):
+    """`y` plus the layer's whole bias (unless the columns added their slices) and activation."""
+    if whole_bias and layer.bias is not None:
+        y = y + tf.convert_to_tensor(layer.bias)
     return layer.activation(y) if layer.activation is not None else y
 
 
@@ -144,7 +145,7 @@ def dense_call(layer, inputs, training=None):
     matmul = keras.ops.matmul
     if axis is None:  # FSDP
         y = _contract(matmul, x, layer.kernel, layout)
-        return _finish(layer, y, None if layer.bias is None else tf.convert_to_tensor(layer.bias))
+        return _finish(layer, y)
     if _dim_on(layer.kernel, axis) == 1:  # column-parallel
 
         def compute(x_all):
@@ -153,12 +154,10 @@ def dense_call(layer, inputs, training=None):
                 y = y + _read_slice(layer.bias, axis, 0)
             return y
 
-        y = _column(x, axis, compute, concat_dim=-1)
-    else:  # row-parallel
-        y = _row(x, axis, -1, lambda cols: _contract(matmul, cols, layer.kernel, layout, axis))
-        if layer.bias is not None:
-            y = y + tf.convert_to_tensor(layer.bias)
-    return layer.activation(y) if layer.activation is not None else y
+        return _finish(layer, _column(x, axis, compute, concat_dim=-1), whole_bias=False)
+    # row-parallel
+    y = _row(x, axis, -1, lambda cols: _contract(matmul, cols, layer.kernel, layout, axis))
+    return _finish(layer, y)
 
 
 # -- EinsumDense ----------------------------------------------------------------
@@ -193,7 +192,7 @@ def einsum_dense_call(layer, inputs, training=None):
             letter = None  # a dimension of input, kernel and output alike
     if letter is None:  # FSDP
         y = _contract(einsum, x, layer.kernel, layout)
-        return _finish(layer, y, None if layer.bias is None else tf.convert_to_tensor(layer.bias))
+        return _finish(layer, y)
     if letter in out_spec:  # column-parallel: output dimension `letter` local
 
         def compute(x_all):
@@ -203,12 +202,11 @@ def einsum_dense_call(layer, inputs, training=None):
             return y
 
         y = _column(x, axis, compute, concat_dim=out_spec.index(letter))
-    else:  # row-parallel: contracted dimension `letter` split
-        y = _row(x, axis, x_spec.index(letter),
-                 lambda cols: _contract(einsum, cols, layer.kernel, layout, axis))
-        if layer.bias is not None:
-            y = y + tf.convert_to_tensor(layer.bias)
-    return layer.activation(y) if layer.activation is not None else y
+        return _finish(layer, y, whole_bias=False)
+    # row-parallel: contracted dimension `letter` split
+    y = _row(x, axis, x_spec.index(letter),
+             lambda cols: _contract(einsum, cols, layer.kernel, layout, axis))
+    return _finish(layer, y)
 
 
 def _einsum_bias(layer, out_spec, axis, letter):
