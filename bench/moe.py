@@ -1,14 +1,21 @@
-"""MoE vs a dense FFN with the same activated FLOPs, as ratios measured in one run.
+"""MoE vs dense FFNs of the same FLOPs, as step-time ratios measured in one run.
 
-MoE: E=8 experts, top-2, capacity factor 1.25, d_model 256, expert d_ff 1024,
-group size 128. Dense: one FFN with d_ff = top_k * 1024 = 2048, i.e. the
-hidden units each MoE token activates. Both are a residual block trained with
-Adam on [batch, length, d_model] inputs. Meshes: one device, 1x2 and 1x4 (MoE
-with `experts:model`, the dense FFN Megatron-split with `d_ff:model`).
+MoE: E=8 experts, d_model 256, expert d_ff H=1024, group size 128, trained
+with Adam as a residual block on [batch, length, d_model] inputs, on one
+device, 1x2 and 1x4 (`experts:model`; the dense FFNs Megatron-split with
+`d_ff:model`). Like is compared with like:
 
-Reports step time, tokens/s, the MoE/dense step-time ratio (target <= 1.3)
-and the fraction of tokens dropped for capacity. On a 2-core CPU the virtual
-devices share two cores: ratios compare the two layers, not device scaling.
+  (a) capacity mode (top-2, capacity factor 1.25) against a dense FFN with
+      d_ff = k * cf * H = 2560, the FLOPs of the padded expert buffers:
+      target <= 1.15 (routing overhead <= 15%). GShard's one-hot dispatch
+      (`dispatch="one_hot"`) is timed against the same FFN.
+  (b) dropless top-2 against d_ff = k * H = 2048: target <= 1.25.
+  Also top-4 (cf 1.25, against d_ff = 5120) and expert choice (cf 2.5,
+  against d_ff = 2560).
+
+"routing" is the fraction of the MoE's step not explained by its FLOPs:
+1 - dense / moe, against the dense FFN of the same FLOPs. On a 2-core CPU the
+virtual devices share two cores: ratios compare the layers, not scaling.
 
     python bench/moe.py [--steps 20]
 """
@@ -32,26 +39,38 @@ from absl import logging  # noqa: E402
 from tfdist.layers import MoE, ShardedDense  # noqa: E402
 from tfdist.strategies import MeshStrategy  # noqa: E402
 
-D_MODEL, D_FF, EXPERTS, TOP_K, GROUP = 256, 1024, 8, 2, 128
+D_MODEL, D_FF, EXPERTS, GROUP = 256, 1024, 8, 128
 BATCH, LENGTH = 16, 64
 MESHES = ("data:1;model:1", "data:1;model:2", "data:1;model:4")
 
+# name: (MoE arguments, the dense FFN's d_ff with the same FLOPs)
+CASES = {
+    "top-2 cf 1.25": (dict(top_k=2, capacity_factor=1.25), int(2 * 1.25 * D_FF)),
+    "top-2 one-hot": (dict(top_k=2, capacity_factor=1.25, dispatch="one_hot"),
+                      int(2 * 1.25 * D_FF)),
+    "dropless top-2": (dict(top_k=2, dropless=True), 2 * D_FF),
+    "top-4 cf 1.25": (dict(top_k=4, capacity_factor=1.25), int(4 * 1.25 * D_FF)),
+    "expert choice 2.5": (dict(routing="expert_choice", capacity_factor=2.5),
+                          int(2.5 * D_FF)),
+}
+TARGETS = {"top-2 cf 1.25": 1.15, "dropless top-2": 1.25}
 
-def build(kind):
+
+def build(moe_args=None, d_ff=None):
     x = inputs = keras.Input((LENGTH, D_MODEL))
-    if kind == "moe":
-        y = MoE(EXPERTS, D_FF, top_k=TOP_K, capacity_factor=1.25, group_size=GROUP, name="moe")(x)
+    if moe_args is not None:
+        y = MoE(EXPERTS, D_FF, group_size=GROUP, name="moe", **moe_args)(x)
     else:
-        h = ShardedDense(TOP_K * D_FF, ("d_model", "d_ff"), activation="relu",
+        h = ShardedDense(d_ff, ("d_model", "d_ff"), activation="relu",
                          output_sharded=True, use_bias=False)(x)
         y = ShardedDense(D_MODEL, ("d_ff", "d_model"), input_sharded=True, use_bias=False)(h)
     return keras.Model(inputs, x + y)
 
 
-def measure(kind, mesh, layout, x, y, steps):
+def measure(mesh, layout, x, y, steps, **build_args):
     strategy = MeshStrategy(mesh, layout)
     with strategy.scope():
-        model = build(kind)
+        model = build(**build_args)
         model.compile(keras.optimizers.Adam(1e-3), "mse")
     model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, verbose=0)  # trace, warm up
     start = time.perf_counter()
@@ -70,14 +89,20 @@ def main():
     x = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
     y = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
     tokens = BATCH * LENGTH
-    print(f"MoE bench: E={EXPERTS} top-{TOP_K} cf 1.25, d_model {D_MODEL}, expert d_ff {D_FF}, "
-          f"group {GROUP}; dense d_ff {TOP_K * D_FF}; {tokens} tokens/step, {args.steps} steps")
-    print(f"{'mesh':<16}{'moe ms':>9}{'dense ms':>10}{'moe/dense':>11}{'moe tok/s':>11}{'dropped':>9}")
+    print(f"MoE bench: E={EXPERTS}, d_model {D_MODEL}, expert d_ff {D_FF}, group {GROUP}; "
+          f"{tokens} tokens/step, {args.steps} steps; ratio = MoE / dense FFN of equal FLOPs")
+    print(f"{'mesh':<16}{'case':<19}{'moe ms':>8}{'dense ms':>9}{'d_ff':>6}{'ratio':>7}"
+          f"{'target':>7}{'routing':>8}{'dropped':>8}")
     for mesh in MESHES:
-        moe, dropped = measure("moe", mesh, "experts:model", x, y, args.steps)
-        dense, _ = measure("dense", mesh, "d_ff:model", x, y, args.steps)
-        print(f"{mesh:<16}{moe * 1e3:>9.1f}{dense * 1e3:>10.1f}{moe / dense:>11.2f}"
-              f"{tokens / moe:>11.0f}{dropped:>9.3f}")
+        dense = {}
+        for name, (moe_args, d_ff) in CASES.items():
+            if d_ff not in dense:
+                dense[d_ff], _ = measure(mesh, "d_ff:model", x, y, args.steps, d_ff=d_ff)
+            moe, dropped = measure(mesh, "experts:model", x, y, args.steps, moe_args=moe_args)
+            ratio = moe / dense[d_ff]
+            target = f"{TARGETS[name]:.2f}" if name in TARGETS else ""
+            print(f"{mesh:<16}{name:<19}{moe * 1e3:>8.1f}{dense[d_ff] * 1e3:>9.1f}{d_ff:>6}"
+                  f"{ratio:>7.2f}{target:>7}{1 - 1 / ratio:>8.0%}{dropped:>8.3f}", flush=True)
 
 
 if __name__ == "__main__":

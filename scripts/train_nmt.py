@@ -49,6 +49,11 @@ def define_flags():
                  "num_decoder_layers", "max_length", "moe_experts", "moe_top_k",
                  "moe_group_size"):
         flags.DEFINE_integer(name, getattr(model, name), f"Transformer {name}.")
+    flags.DEFINE_enum("moe_routing", model.moe_routing, ["token_choice", "expert_choice"],
+                      "MoE routing (expert choice: encoder-only models).")
+    flags.DEFINE_boolean("moe_dropless", model.moe_dropless, "MoE drops no token.")
+    flags.DEFINE_integer("moe_shared_d_ff", model.moe_shared_d_ff,
+                         "Hidden size of the MoE's shared (always-on) experts; 0: none.")
     flags.DEFINE_float("dropout", model.dropout, "Dropout rate.")
     flags.DEFINE_enum("positions", model.positions, ["sinusoidal", "learned"], "Positions.")
     flags.DEFINE_boolean("share_embeddings", model.share_embeddings,
@@ -78,7 +83,9 @@ def config_from_flags() -> NMTConfig:
         num_decoder_layers=FLAGS.num_decoder_layers, max_length=FLAGS.max_length,
         dropout=FLAGS.dropout, positions=FLAGS.positions,
         share_embeddings=FLAGS.share_embeddings, moe_experts=FLAGS.moe_experts,
-        moe_top_k=FLAGS.moe_top_k, moe_group_size=FLAGS.moe_group_size)
+        moe_top_k=FLAGS.moe_top_k, moe_group_size=FLAGS.moe_group_size,
+        moe_routing=FLAGS.moe_routing, moe_dropless=FLAGS.moe_dropless,
+        moe_shared_d_ff=FLAGS.moe_shared_d_ff)
     return NMTConfig(
         mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), model=model, corpus=FLAGS.corpus,
         train_src=FLAGS.train_src, train_tgt=FLAGS.train_tgt, test_src=FLAGS.test_src,

@@ -168,3 +168,34 @@ def test_repeated_collectives_do_not_pile_up_threads(strategy):
     for _ in range(30):
         step()
     assert threads() - before < 8
+
+
+def test_an_all_to_all_whose_shape_varies_under_fixed_inputs_pairs_by_its_own_shape(strategy):
+    """A dropless MoE's expert buffers: sized by a value each step, not by the inputs.
+
+    The step's inputs keep their shapes, so the step-level shape keys cannot
+    tell the executions apart; without `shape_varies` the second size meets
+    the first one's instance record ("Shape mismatch in the collective
+    instance").
+    """
+    size = tf.Variable(2)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            rows = tf.identity(size) * 4  # known only at run time
+            x = tf.fill(tf.stack([rows, 2]), 1.0)
+            y = collectives.all_to_all(x, "model", split_dim=0, concat_dim=1, shape_varies=True)
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                z = collectives.all_to_all(x, "model", split_dim=0, concat_dim=1,
+                                           shape_varies=True)
+            return tf.shape(y), tape.gradient(z, x, output_gradients=z)
+
+        return strategy.run(replica_fn)
+
+    for n in (2, 3, 2, 1, 3):
+        size.assign(n)
+        for shape, grad in strategy.experimental_local_results(step()):
+            assert shape.numpy().tolist() == [n, 8]
+            np.testing.assert_array_equal(grad.numpy(), np.ones((4 * n, 2)))

@@ -186,6 +186,26 @@ def reduce_scatter(x, axis: Optional[str], dim: int = 0):
     return _reduce_scatter(ctx, x, dim)
 
 
+def reduce_scatter_partial_sums(compute, tensors, axis: Optional[str], dim: int = 0):
+    """`reduce_scatter(compute(*tensors), axis, dim)`, the partial sums kept in float32.
+
+    `compute` contracts a dimension split over `axis` (a row-parallel matmul).
+    One device contracts all of it in float32 and rounds a bfloat16 (or
+    float16) result once; rounding each device's partial sum before the sum
+    rounds twice, which Adam turned into weights 4.4e-2 (relative L2) from one
+    device's after 10 steps on an AVX2 CPU where one device reordering its
+    rows moved them 1.5e-3. So half-precision inputs are contracted in float32
+    and the sum rounded once, like one device.
+    """
+    ctx = axis_context(axis)
+    half = {tf.bfloat16, tf.float16}
+    dtype = tensors[0].dtype
+    if ctx is None or dtype not in half:
+        return reduce_scatter(compute(*tensors), axis, dim)
+    wide = [tf.cast(t, tf.float32) if t.dtype in half else t for t in tensors]
+    return tf.cast(_reduce_scatter(ctx, compute(*wide), dim), dtype)
+
+
 def _reduce_scatter(ctx, x, dim):
     @tf.custom_gradient
     def op(x):
@@ -198,7 +218,7 @@ def _reduce_scatter(ctx, x, dim):
     return op(x)
 
 
-def _exchange(ctx, x, split_dim):
+def _exchange(ctx, x, split_dim, shape_varies=False):
     """Sends part j of `x` (split on `split_dim`) to peer j; stacks what arrives."""
     split_dim = split_dim % x.shape.rank
     n = x.shape[split_dim]
@@ -208,28 +228,32 @@ def _exchange(ctx, x, split_dim):
             f"{ctx.size} devices of the mesh axis."
         )
     parts = tf.stack(tf.split(x, ctx.size, axis=split_dim), axis=0)
-    return ctx.backend.all_to_all(parts, ctx.replica, ctx.group)
+    return ctx.backend.all_to_all(parts, ctx.replica, ctx.group, shape_varies=shape_varies)
 
 
-def all_to_all(x, axis: Optional[str], split_dim: int, concat_dim: int):
+def all_to_all(x, axis: Optional[str], split_dim: int, concat_dim: int,
+               shape_varies: bool = False):
     """Splits `split_dim` over the devices of `axis` and concatenates on `concat_dim`.
 
     Device `j` receives part `j` of every peer's `split_dim`, concatenated in
-    axis order along `concat_dim`.
+    axis order along `concat_dim`. `shape_varies`: `x`'s shape may change
+    from one execution to the next while the step's inputs keep theirs (a
+    dropless MoE's buffers); the call and its gradient pair up by their own
+    run-time shapes (every device of the axis passes the same shape).
     """
     ctx = axis_context(axis)
     if ctx is None:
         return x
-    return _all_to_all(ctx, x, split_dim, concat_dim)
+    return _all_to_all(ctx, x, split_dim, concat_dim, shape_varies)
 
 
-def _all_to_all(ctx, x, split_dim, concat_dim):
+def _all_to_all(ctx, x, split_dim, concat_dim, shape_varies=False):
     @tf.custom_gradient
     def op(x):
         def grad(dy):
-            return _all_to_all(ctx, dy, concat_dim, split_dim)
+            return _all_to_all(ctx, dy, concat_dim, split_dim, shape_varies)
 
-        received = _exchange(ctx, x, split_dim)
+        received = _exchange(ctx, x, split_dim, shape_varies)
         return tf.concat(tf.unstack(received, num=ctx.size), axis=concat_dim), grad
 
     return op(x)

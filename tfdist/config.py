@@ -152,6 +152,9 @@ class TransformerConfig:
     moe_group_size: int = 64
     moe_capacity_factor: float = 1.25
     moe_aux_loss_coef: float = 1e-2
+    moe_routing: str = "token_choice"  # or "expert_choice" (encoder-only: not causal)
+    moe_dropless: bool = False
+    moe_shared_d_ff: int = 0
 
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
@@ -167,10 +170,25 @@ class TransformerConfig:
         if self.positions not in ("sinusoidal", "learned"):
             raise ValueError(f"positions must be 'sinusoidal' or 'learned'; received "
                              f"positions={self.positions!r}.")
-        if self.moe_experts and self.moe_top_k not in (1, 2):
-            raise ValueError(f"moe_top_k must be 1 or 2; received {self.moe_top_k!r}.")
-        if self.moe_experts and self.moe_top_k > self.moe_experts:
-            raise ValueError(f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}.")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k must be from 1 to moe_experts={self.moe_experts}; "
+                             f"received moe_top_k={self.moe_top_k!r}.")
+        if self.moe_routing not in ("token_choice", "expert_choice"):
+            raise ValueError(f"moe_routing must be 'token_choice' or 'expert_choice'; "
+                             f"received moe_routing={self.moe_routing!r}.")
+        if self.moe_experts and self.moe_routing == "expert_choice":
+            if self.num_decoder_layers > 1:  # blocks 1, 3, ... are MoE
+                raise ValueError(
+                    f"moe_routing='expert_choice' is not causal (each expert picks among all "
+                    f"tokens of a group), and the decoder's blocks 1, 3, ... are MoE "
+                    f"(num_decoder_layers={self.num_decoder_layers}); use "
+                    f"moe_routing='token_choice'.")
+            if self.moe_dropless:
+                raise ValueError("moe_dropless is token-choice routing; received "
+                                 "moe_routing='expert_choice'.")
+        if not isinstance(self.moe_shared_d_ff, int) or self.moe_shared_d_ff < 0:
+            raise ValueError(f"moe_shared_d_ff must be an integer >= 0; received "
+                             f"{self.moe_shared_d_ff!r}.")
         return self
 
 

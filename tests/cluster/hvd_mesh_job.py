@@ -4,7 +4,8 @@
 
 Builds `HorovodStrategy(MESH, layout)` (rank r = mesh device r) and, for each
 model (token_mlp: ShardedEmbedding + column/row ShardedDense; xc_head:
-ShardedSoftmax; moe: the MoE layer, experts split, a second strategy on
+ShardedSoftmax; moe: four MoE layers (top-2, top-4 with shared experts, expert
+choice, dropless), experts split, a second strategy on
 the same ranks), compares forward, loss,
 gradients, weights and Adam slots after 10 steps with the single-device
 reference, printing one report line per model and rank. Then trains with
@@ -60,11 +61,15 @@ if "xc_head" in models:
     print(f"rank {rank} xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 
 if "moe" in models:
-    def moe_model():
+    def moe_model():  # GShard top-2, top-4 with shared experts, expert choice, dropless
         x = inputs = keras.Input((2, 8))
-        y = x + MoE(4, 16, top_k=2, capacity_factor=1.0, min_capacity=1, group_size=4,
-                    aux_loss_coef=1e-1, name="moe")(x)
-        return keras.Model(inputs, y)
+        for name, kwargs in (("moe", dict(top_k=2, capacity_factor=1.0)),
+                             ("moe_top4", dict(top_k=4, capacity_factor=0.5, shared_d_ff=8)),
+                             ("moe_ec", dict(routing="expert_choice", capacity_factor=2.0)),
+                             ("moe_dropless", dict(top_k=2, dropless=True))):
+            x = x + MoE(4, 16, min_capacity=1, group_size=4, aux_loss_coef=1e-1, name=name,
+                        **kwargs)(x)
+        return keras.Model(inputs, x)
 
     rng = np.random.default_rng(0)
     xm = rng.normal(size=(10 * 8, 2, 8)).astype("float32")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.layers import MoE
+from tfdist.layers import MoE, moe_routing
 from tfdist.layers.moe import expert_capacity, top_k_gating
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import assert_equivalent
@@ -17,16 +17,28 @@ def _logits(rows):
     return tf.constant([rows], dtype=tf.float32)  # one group [1, S, E]
 
 
+def _taken(routing, logits, group=0):
+    """{expert: [(token, gate), ...]} of one group, in slot order, empty slots left out."""
+    tokens, gates = routing.slot_token.numpy(), routing.slot_gate.numpy()
+    empty = logits.shape[0] * logits.shape[1]  # the zero row after the tokens
+    assert (gates[tokens == empty] == 0).all()
+    return {e: [(int(t), float(g)) for t, g in zip(tokens[e, group], gates[e, group])
+                if t != empty] for e in range(tokens.shape[0])}
+
+
+def _tokens(taken):
+    return {e: [t for t, _ in slots] for e, slots in taken.items()}
+
+
 def test_top1_routing_and_capacity_drop_exactly_the_late_tokens():
     # 5 tokens, 2 experts, capacity 2: tokens 0, 1, 3 prefer expert 0; 2, 4 expert 1.
     logits = _logits([[2.0, 0.0], [1.0, 0.0], [0.0, 3.0], [4.0, 0.0], [0.0, 1.0]])
-    dispatch, combine, stats = top_k_gating(logits, top_k=1, capacity=2)
-    d = dispatch.numpy()[0]  # [S, E, C]
-    assert d[0, 0, 0] == 1 and d[1, 0, 1] == 1  # expert 0 slots 0 and 1
-    assert d[3].sum() == 0  # third token for expert 0 is over capacity: dropped
-    assert d[2, 1, 0] == 1 and d[4, 1, 1] == 1
+    routing = moe_routing.token_choice(logits, top_k=1, capacity=2)
+    taken = _taken(routing, logits)
+    assert _tokens(taken) == {0: [0, 1], 1: [2, 4]}  # token 3 is over capacity: dropped
     probs = tf.nn.softmax(logits[0]).numpy()
-    np.testing.assert_allclose(combine.numpy()[0, 0, 0, 0], probs[0, 0], rtol=1e-6)
+    np.testing.assert_allclose(taken[0][0][1], probs[0, 0], rtol=1e-6)  # top-1: the probability
+    stats = routing.stats
     np.testing.assert_allclose(stats["dropped_fraction"].numpy(), 0.2, rtol=1e-6)
     np.testing.assert_allclose(stats["load"].numpy(), [0.4, 0.4], rtol=1e-6)
     # aux = E^2 * mean_e(density_e * mean_prob_e), density before capacity: [3/5, 2/5]
@@ -37,36 +49,141 @@ def test_top1_routing_and_capacity_drop_exactly_the_late_tokens():
 def test_top2_gates_are_renormalised_and_second_choices_come_after_first():
     # 3 tokens, 3 experts, capacity 2.
     logits = _logits([[3.0, 2.0, 0.0], [3.0, 0.0, 2.0], [0.0, 3.0, 2.0]])
-    dispatch, combine, _ = top_k_gating(logits, top_k=2, capacity=2)
-    probs = tf.nn.softmax(logits[0]).numpy()
-    d, c = dispatch.numpy()[0], combine.numpy()[0]
+    taken = _taken(moe_routing.token_choice(logits, top_k=2, capacity=2), logits)
     # Top-1: tokens 0, 1 -> expert 0 (slots 0, 1); token 2 -> expert 1 (slot 0).
-    assert d[0, 0, 0] == 1 and d[1, 0, 1] == 1 and d[2, 1, 0] == 1
     # Top-2: token 0 -> expert 1 slot 1 (after token 2's top-1), token 1 -> expert 2
     # slot 0, token 2 -> expert 2 slot 1.
-    assert d[0, 1, 1] == 1 and d[1, 2, 0] == 1 and d[2, 2, 1] == 1
+    assert _tokens(taken) == {0: [0, 1], 1: [2, 0], 2: [1, 2]}
+    probs = tf.nn.softmax(logits[0]).numpy()
     g1, g2 = probs[0, 0], probs[0, 1]
-    np.testing.assert_allclose(c[0, 0, 0], g1 / (g1 + g2), rtol=1e-6)
-    np.testing.assert_allclose(c[0, 1, 1], g2 / (g1 + g2), rtol=1e-6)
+    np.testing.assert_allclose(taken[0][0][1], g1 / (g1 + g2), rtol=1e-6)
+    np.testing.assert_allclose(taken[1][1][1], g2 / (g1 + g2), rtol=1e-6)
 
 
 def test_top2_second_choice_over_capacity_is_dropped_but_first_kept():
     logits = _logits([[3.0, 2.0], [3.0, 2.0], [2.0, 3.0]])
-    dispatch, _, _ = top_k_gating(logits, top_k=2, capacity=2)
-    d = dispatch.numpy()[0]
+    taken = _tokens(_taken(moe_routing.token_choice(logits, top_k=2, capacity=2), logits))
     # Expert 0: top-1 of tokens 0, 1 fill it; token 2's second choice (0) is dropped.
-    assert d[2, 0].sum() == 0 and d[2, 1, 0] == 1
     # Expert 1: token 2 (top-1) then token 0 (top-2); token 1's top-2 is dropped.
-    assert d[0, 1, 1] == 1 and d[1, 1].sum() == 0
+    assert taken == {0: [0, 1], 1: [2, 0]}
+
+
+def test_top3_choices_fill_experts_rank_by_rank():
+    # 3 tokens, 4 experts, capacity 2. Choices: token 0 -> 0, 1, 2; token 1 -> 0, 2, 3;
+    # token 2 -> 1, 2, 3.
+    logits = _logits([[4.0, 3.0, 2.0, 0.0], [4.0, 0.0, 3.0, 2.0], [0.0, 4.0, 3.0, 2.0]])
+    routing = moe_routing.token_choice(logits, top_k=3, capacity=2)
+    taken = _taken(routing, logits)
+    # First choices: expert 0 <- 0, 1; expert 1 <- 2. Second: expert 1 <- 0; expert 2 <- 1, 2.
+    # Third: token 0's expert 2 is full (dropped); expert 3 <- 1, 2.
+    assert _tokens(taken) == {0: [0, 1], 1: [2, 0], 2: [1, 2], 3: [1, 2]}
+    probs = tf.nn.softmax(logits[0]).numpy()
+    top = probs[1, [0, 2, 3]]  # token 1's three gates, renormalised over the three
+    np.testing.assert_allclose([taken[0][1][1], taken[2][0][1], taken[3][0][1]],
+                               top / top.sum(), rtol=1e-6)
+    assert routing.stats["dropped_fraction"].numpy() == 0  # first choices all kept
 
 
 def test_threshold_policy_drops_weak_second_choices():
     logits = _logits([[5.0, 0.0], [1.0, 0.9]])
-    dispatch, _, _ = top_k_gating(logits, top_k=2, capacity=4,
-                                  second_expert_policy="threshold", second_expert_threshold=0.2)
-    d = dispatch.numpy()[0]
-    assert d[0, 1].sum() == 0  # gate_2 ~ 0.007 < 0.2
-    assert d[1, 1].sum() == 1  # gate_2 ~ 0.475 > 0.2
+    taken = _tokens(_taken(moe_routing.token_choice(
+        logits, top_k=2, capacity=4, second_expert_policy="threshold",
+        second_expert_threshold=0.2), logits))
+    # token 0's gate_2 ~ 0.007 < 0.2: dropped; token 1's ~ 0.475 > 0.2: kept.
+    assert taken == {0: [0, 1], 1: [1]}
+
+
+def test_expert_choice_each_expert_takes_its_best_tokens():
+    # 4 tokens, 3 experts, capacity 1. Probabilities (softmax over experts):
+    # token 0 (0.91, 0.05, 0.05), token 1 (0.06, 0.47, 0.47), token 2 (0.42, 0.42, 0.16),
+    # token 3 (1/3, 1/3, 1/3): experts 1 and 2 both take token 1; tokens 2, 3 go nowhere.
+    logits = _logits([[3.0, 0.0, 0.0], [0.0, 2.0, 2.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    routing = moe_routing.expert_choice(logits, capacity=1)
+    taken = _taken(routing, logits)
+    probs = tf.nn.softmax(logits[0]).numpy()
+    assert _tokens(taken) == {0: [0], 1: [1], 2: [1]}
+    np.testing.assert_allclose([taken[e][0][1] for e in range(3)],
+                               [probs[0, 0], probs[1, 1], probs[1, 2]], rtol=1e-6)
+    np.testing.assert_allclose(routing.stats["dropped_fraction"].numpy(), 0.5)
+    np.testing.assert_allclose(routing.stats["load"].numpy(), [0.25, 0.25, 0.25])
+    assert routing.stats["aux_loss"].numpy() == 0
+    # Token 1 is padding: never taken; expert 1 takes token 2 instead, expert 2 token 3.
+    masked = moe_routing.expert_choice(logits, capacity=1,
+                                       token_mask=tf.constant([[1.0, 0.0, 1.0, 1.0]]))
+    assert _tokens(_taken(masked, logits)) == {0: [0], 1: [2], 2: [3]}
+    np.testing.assert_allclose(masked.stats["dropped_fraction"].numpy(), 0.0)
+
+
+def test_dropless_buffers_fit_the_busiest_expert_and_drop_nothing():
+    # 6 tokens in 2 groups of 3, top-1: five choose expert 0, one expert 1.
+    logits = tf.constant([[[2.0, 0.0], [2.0, 0.0], [0.0, 2.0]],
+                          [[2.0, 0.0], [2.0, 0.0], [2.0, 0.0]]])
+    routing = moe_routing.token_choice(logits, top_k=1, capacity=None)
+    assert routing.slot_token.shape == (2, 1, 5)  # one buffer per expert, 5 slots
+    assert _tokens(_taken(routing, logits)) == {0: [0, 1, 3, 4, 5], 1: [2]}
+    assert routing.stats["dropped_fraction"].numpy() == 0
+    # Buffers agreed with the other devices of the expert axis (their busiest: 9),
+    # rounded up to a bucket (10), never above the tokens routed (6).
+    agreed = moe_routing.token_choice(logits, top_k=1, capacity=None,
+                                      agree_capacity=lambda busiest: busiest + 4)
+    assert agreed.slot_token.shape == (2, 1, 6)
+    assert [int(moe_routing.bucket_size(n)) for n in (1, 9, 16, 17, 19, 33, 100, 1000)] == \
+        [1, 9, 16, 18, 20, 36, 104, 1024]
+
+
+def test_index_routing_equals_gshard_one_hot_routing():
+    """`token_choice`'s slots are `top_k_gating`'s one-hot dispatch and combine tensors."""
+    rng = np.random.default_rng(0)
+    for top_k, capacity, policy, masked in [(1, 2, "all", False), (2, 3, "all", False),
+                                            (2, 2, "threshold", True)]:
+        logits = tf.constant(rng.normal(size=(3, 6, 4)), tf.float32)
+        mask = tf.constant(rng.integers(0, 2, (3, 6)), tf.float32) if masked else None
+        routing = moe_routing.token_choice(logits, top_k, capacity, policy, 0.3,
+                                           token_mask=mask)
+        dispatch, combine, stats = top_k_gating(logits, top_k, capacity, policy, 0.3,
+                                                token_mask=mask)
+        one_hot = np.zeros((3, 6, 4, capacity, 2))  # [G, S, E, C, (dispatch, combine)]
+        tokens, gates = routing.slot_token.numpy(), routing.slot_gate.numpy()
+        for (e, g, c), t in np.ndenumerate(tokens):
+            if t < 18:
+                assert t // 6 == g
+                one_hot[g, t % 6, e, c] = 1.0, gates[e, g, c]
+        np.testing.assert_array_equal(one_hot[..., 0], dispatch.numpy())
+        np.testing.assert_allclose(one_hot[..., 1], combine.numpy(), rtol=1e-6)
+        for name, value in stats.items():
+            np.testing.assert_allclose(routing.stats[name].numpy(), value.numpy(), rtol=1e-6)
+
+
+def test_index_dispatch_layer_equals_one_hot_dispatch_layer():
+    x = np.random.default_rng(1).normal(size=(4, 4, 8)).astype("float32")
+    outputs = []
+    for dispatch in ("index", "one_hot"):
+        layer = MoE(4, 16, top_k=2, capacity_factor=1.0, min_capacity=1, group_size=4,
+                    dispatch=dispatch, z_loss_coef=1e-3)
+        layer.build(x.shape)
+        if outputs:
+            layer.set_weights(weights)
+        weights = layer.get_weights()
+        with tf.GradientTape() as tape:
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * y) + tf.add_n(layer.losses)
+        outputs.append((y, loss, tape.gradient(loss, layer.trainable_weights)))
+    (y1, l1, g1), (y2, l2, g2) = outputs
+    np.testing.assert_allclose(y1, y2, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_shared_experts_add_an_always_on_ffn():
+    x = np.random.default_rng(2).normal(size=(2, 4, 8)).astype("float32")
+    layer = MoE(4, 16, shared_d_ff=6, group_size=4)
+    routed = MoE(4, 16, group_size=4)
+    layer.build(x.shape)
+    routed.build(x.shape)
+    routed.set_weights(layer.get_weights()[:3])
+    shared = np.maximum(x @ layer.shared_wi.numpy(), 0) @ layer.shared_wo.numpy()
+    np.testing.assert_allclose(layer(x), routed(x) + shared, rtol=1e-5, atol=1e-6)
 
 
 def test_capacity_formula():
@@ -82,7 +199,16 @@ def test_capacity_formula():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(top_k=3), "top_k=3"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(top_k=5), "from 1 to num_experts=4"),
+        (dict(top_k=3, second_expert_policy="threshold"), "top_k=3"),
+        (dict(routing="expert"), "routing='expert'"),
+        (dict(routing="expert_choice", causal=True), "causal"),
+        (dict(routing="expert_choice", top_k=1), "top_k=1"),
+        (dict(routing="expert_choice", dropless=True), "routing='expert_choice'"),
+        (dict(shared_d_ff=-1), "shared_d_ff=-1"),
+        (dict(dispatch="sort"), "dispatch='sort'"),
+        (dict(dispatch="one_hot", top_k=3), "top_k=3"),
         (dict(num_experts=0), "num_experts=0"),
         (dict(second_expert_policy="random"), "second_expert_policy='random'"),
         (dict(capacity_factor=0), "capacity_factor=0"),
@@ -102,6 +228,10 @@ def test_config_round_trip():
     layer = MoE(8, 32, top_k=1, capacity_factor=1.5, second_expert_policy="threshold",
                 group_size=64, z_loss_coef=1e-3, router_jitter=0.01, dropout=0.1, seed=3)
     assert MoE.from_config(layer.get_config()).get_config() == layer.get_config()
+    for kwargs in (dict(routing="expert_choice"), dict(top_k=5, dropless=True, shared_d_ff=16),
+                   dict(dispatch="one_hot", causal=True)):
+        layer = MoE(8, 32, **kwargs)
+        assert MoE.from_config(layer.get_config()).get_config() == layer.get_config()
 
 
 def test_group_size_must_divide_tokens():
@@ -118,14 +248,22 @@ def test_group_size_must_divide_tokens():
 BATCH, LENGTH, D_MODEL = 8, 2, 8
 
 
-def _moe_model(top_k, **kwargs):
-    def build():
-        x = inputs = keras.Input((LENGTH, D_MODEL))
-        y = x + MoE(4, 16, top_k=top_k, capacity_factor=1.0, min_capacity=1, group_size=4,
-                    name="moe", **kwargs)(x)
-        return keras.Model(inputs, y)
+# One model, five MoE layers: every routing mode in one trace per mesh.
+MODES = {
+    "top1": dict(top_k=1, capacity_factor=1.0),
+    "top2": dict(top_k=2, capacity_factor=1.0),
+    "top4_shared": dict(top_k=4, capacity_factor=0.5, shared_d_ff=8),  # drops, shared FFN
+    "expert_choice": dict(routing="expert_choice", capacity_factor=2.0),
+    "dropless": dict(top_k=2, dropless=True),  # buffer sizes change from step to step
+}
 
-    return build
+
+def _moe_model():
+    x = inputs = keras.Input((LENGTH, D_MODEL))
+    for name, kwargs in MODES.items():
+        x = x + MoE(4, 16, min_capacity=1, group_size=4, aux_loss_coef=1e-1, z_loss_coef=1e-3,
+                    name=name, **kwargs)(x)
+    return keras.Model(inputs, x)
 
 
 def _data(steps):
@@ -135,28 +273,23 @@ def _data(steps):
     return x, y
 
 
-EQUIVALENCE_CASES = [
-    (mesh, layout, top_k)
-    # (1x2's experts:model is the 1x4 case's path with fewer devices)
-    for mesh, layout in [("data:1;model:1", "experts:model"),
-                         ("data:2;model:2", "batch:data;experts:model"),
-                         ("data:1;model:4", "experts:model")]
-    # top-1 on 2x2 only (1x2's top-1 adds no path 2x2 lacks: the suite's time budget)
-    for top_k in (1, 2) if top_k == 2 or mesh == "data:2;model:2"
-] + [("data:2;model:2", "batch:data;d_ff:model", 2)]  # d_ff-split experts
+EQUIVALENCE_CASES = [("data:1;model:1", "experts:model"),
+                     ("data:1;model:2", "experts:model"),
+                     ("data:2;model:2", "batch:data;experts:model"),
+                     ("data:1;model:4", "experts:model"),
+                     ("data:2;model:2", "batch:data;d_ff:model")]  # hidden units split
 
 
-@pytest.mark.parametrize("mesh, layout, top_k", EQUIVALENCE_CASES)
-def test_moe_matches_per_token_loop(mesh, layout, top_k):
+@pytest.mark.parametrize("mesh, layout", EQUIVALENCE_CASES)
+def test_moe_matches_per_token_loop(mesh, layout):
     x, y = _data(20)
     report = assert_equivalent(
-        _moe_model(top_k, aux_loss_coef=1e-1, z_loss_coef=1e-3),
-        MeshStrategy(mesh, layout), x, y,
+        _moe_model, MeshStrategy(mesh, layout), x, y,
         loss=keras.losses.MeanSquaredError(),
         optimizer=lambda: keras.optimizers.Adam(0.01),
         batch_size=BATCH, steps=20, rtol=1e-5,
     )
-    print(f"MoE top-{top_k} {mesh} {layout}: {report}")
+    print(f"MoE {list(MODES)} {mesh} {layout}: {report}")
 
 
 def test_expert_weights_are_one_share_per_device():
@@ -178,7 +311,8 @@ def test_moe_learns_cluster_specific_maps_better_than_dense_with_same_active_par
     """Tokens from 8 clusters, each needing its own linear map: experts help.
 
     The dense baseline's hidden layer has top_k * d_ff units, the hidden units
-    each MoE token activates.
+    each MoE token activates; expert choice at capacity factor 2 gives each
+    token two experts on average, the same.
     """
     m, h, e, length, clusters = 16, 16, 8, 8, 8
     rng = np.random.default_rng(0)
@@ -193,31 +327,37 @@ def test_moe_learns_cluster_specific_maps_better_than_dense_with_same_active_par
     x, y = data(8192)
     x_test, y_test = data(1024)
 
-    def build(use_moe):
+    def build(kind):
         inputs = keras.Input((length, m))
         z = keras.layers.Dense(m, name="embed")(inputs)
-        if use_moe:
+        if kind == "top2":
             z = z + MoE(e, h, top_k=2, group_size=64, name="moe")(z)
+        elif kind == "expert_choice":
+            z = z + MoE(e, h, routing="expert_choice", capacity_factor=2.0, group_size=64,
+                        name="moe")(z)
         else:
             z = z + keras.layers.Dense(m)(keras.layers.Dense(2 * h, activation="relu")(z))
         return keras.Model(inputs, keras.layers.Dense(m)(z))
 
     results = {}
-    for use_moe in (True, False):
+    for kind in ("top2", "expert_choice", "dense"):
         keras.utils.set_random_seed(0)
-        model = build(use_moe)
+        model = build(kind)
         model.compile(keras.optimizers.Adam(3e-3), "mse")
         history = model.fit(x, y, batch_size=64, epochs=10, verbose=0)
-        results[use_moe] = (model.evaluate(x_test, y_test, verbose=0, return_dict=True),
-                            history.history)
-    moe_eval, moe_history = results[True]
-    dense_eval, _ = results[False]
-    print(f"test mse: MoE {moe_eval['loss']:.3f}, dense {dense_eval['loss']:.3f}; "
-          f"max load {moe_history['moe_max_load'][-1]:.3f}, dropped {moe_history['moe_dropped'][-1]:.4f}")
-    assert moe_eval["loss"] < 0.75 * dense_eval["loss"]
-    assert moe_history["moe_max_load"][-1] < 1.5  # busiest expert < 1.5x its fair share
-    assert moe_history["moe_dropped"][-1] < 0.01
-    assert {"moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load"} <= set(moe_history)
+        results[kind] = (model.evaluate(x_test, y_test, verbose=0, return_dict=True)["loss"],
+                         {k: v[-1] for k, v in history.history.items()})
+    dense = results["dense"][0]
+    for kind in ("top2", "expert_choice"):
+        loss, last = results[kind]
+        print(f"{kind}: test mse {loss:.3f} (dense {dense:.3f}); max load "
+              f"{last['moe_max_load']:.3f}, dropped {last['moe_dropped']:.4f}")
+        assert loss < 0.75 * dense
+        assert {"moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load"} <= set(last)
+    top2 = results["top2"][1]
+    assert top2["moe_max_load"] < 1.5  # busiest expert < 1.5x its fair share
+    assert top2["moe_dropped"] < 0.01
+    assert results["expert_choice"][1]["moe_dropped"] < 0.2  # tokens no expert took
 
 
 def test_sampling_policy_keeps_second_choices_in_proportion_to_their_gate():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfdist.layers import MoE
 from tfdist.models import decoding
 from tfdist.models.transformer import (
     BOS_ID,
@@ -158,12 +159,28 @@ def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="heads"):  # 4 heads do not split over 3 devices
         with MeshStrategy("data:1;model:3", LAYOUT).scope():
             Transformer(_config(vocab_size=33, d_ff=33))
+    with pytest.raises(ValueError, match="moe_top_k must be from 1 to moe_experts=4; received "
+                                         "moe_top_k=5"):
+        _config(moe_experts=4, moe_top_k=5).validate()
+    # Expert choice is not causal: refused where the decoder has MoE blocks (1, 3, ...),
+    # by the config and by the layer itself.
+    with pytest.raises(ValueError, match="expert_choice.*not causal.*num_decoder_layers=2"):
+        _config(moe_experts=4, moe_routing="expert_choice", num_decoder_layers=2).validate()
+    with pytest.raises(ValueError, match="causal"):
+        MoE(4, 8, routing="expert_choice", causal=True)
 
 
 def test_get_config_round_trip_and_schedule():
     model = Transformer(_config(moe_experts=2, moe_top_k=1))
     clone = Transformer.from_config(model.get_config())
     assert clone.model_config == model.model_config
+    # An encoder-side expert-choice MoE (one decoder block: no MoE there), shared experts.
+    model = Transformer(_config(moe_experts=2, moe_routing="expert_choice", moe_shared_d_ff=8,
+                                num_encoder_layers=2, num_decoder_layers=1))
+    clone = Transformer.from_config(model.get_config())
+    assert clone.model_config == model.model_config
+    moe = [layer for layer in model._flatten_layers() if isinstance(layer, MoE)]
+    assert [(m.routing, m.shared_d_ff, m.causal) for m in moe] == [("expert_choice", 8, False)]
     schedule = InverseSqrtSchedule(16, warmup_steps=10)
     lrs = [float(schedule(s)) for s in range(30)]
     assert np.argmax(lrs) == 9 and lrs[0] < lrs[9] and lrs[29] < lrs[9]

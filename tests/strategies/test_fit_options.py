@@ -18,6 +18,7 @@ from tfdist.models import build_token_mlp, make_copy_task
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import max_rel_diff
 from tfdist.testing.reference import reference_model
+from tfdist.testing.rounding import permuted_rows_drift, relative_l2
 
 LAYOUT = "batch:data;d_ff:model;vocab:model"
 BATCH, STEPS = 16, 8
@@ -161,13 +162,17 @@ def mixed_bfloat16():
 
 @pytest.mark.parametrize("mesh", ["data:2;model:2"])  # 1x2: over ranks and workers
 def test_mixed_bfloat16_matches_the_single_device_mixed_precision_model(mesh, mixed_bfloat16):
-    """bfloat16 rounds every partial sum: the measure is the weights' relative L2 error.
+    """bfloat16 rounds every partial sum: the measure is the weights' relative L2 error,
+    against what rounding alone does to one device in the same run.
 
     On one device, merely permuting the rows inside each batch (the same
-    mathematics, other roundings) moves Adam's weights 1.5e-2 in relative L2 and
-    up to 9.5e-2 in one tensor's max after 20 steps, so a per-tensor max is no
-    measure here; after 10 steps a mesh is 0.7e-2 off (measured), the loss curve
-    4e-5.
+    mathematics, other roundings) moves Adam's weights (`permuted_rows_drift`):
+    1.5e-2 in relative L2 after 20 steps on an AVX-512 machine, where a mesh was
+    0.7e-2 off after 10; on an AVX2 machine 1.5e-3, where a mesh rounding each
+    device's partial sums to bfloat16 was 4.4e-2 off and one keeping them in
+    float32 (`collectives.reduce_scatter_partial_sums`) is 1.5e-2 off (the
+    backward pass's partial sums are still rounded per device). A per-tensor
+    max is no measure here. The loss curve stays within 1e-2.
     """
     x, y = make_copy_task(10 * BATCH)
     strategy = MeshStrategy(mesh, LAYOUT)
@@ -178,11 +183,13 @@ def test_mixed_bfloat16_matches_the_single_device_mixed_precision_model(mesh, mi
     curves = _BatchLosses(), _BatchLosses()
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[curves[0]])
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[curves[1]])
-    a = np.concatenate([w.ravel() for w in model.get_weights()])
-    b = np.concatenate([w.ravel() for w in reference.get_weights()])
-    weights = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    weights = relative_l2(model, reference)
+    noise = permuted_rows_drift(lambda: _models(strategy)[1],
+                                lambda m: m.compile(keras.optimizers.Adam(0.01), _loss()),
+                                x, y, BATCH)
     curve = max(abs(p - q) / abs(q) for p, q in zip(*(c.losses for c in curves)))
-    print(f"mixed_bfloat16 on {mesh}: weights {weights:.1e} (relative L2), loss curve {curve:.1e}")
+    print(f"mixed_bfloat16 on {mesh}: weights {weights:.1e} (relative L2; one device with "
+          f"rows permuted: {noise:.1e}), loss curve {curve:.1e}")
     assert len(curves[0].losses) == len(curves[1].losses) == 10
-    assert weights < 2e-2
+    assert weights < max(2e-2, 2 * noise)
     assert curve < 1e-2

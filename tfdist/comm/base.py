@@ -38,8 +38,13 @@ class Backend(Protocol):
     def all_gather(self, x, replica: int, group: Group):
         """`[n * d0, ...]`: `x` of every device of `group` concatenated on dimension 0."""
 
-    def all_to_all(self, x, replica: int, group: Group):
-        """Splits dimension 0 of `x` into `n` parts; part `j` goes to the `j`-th device."""
+    def all_to_all(self, x, replica: int, group: Group, shape_varies: bool = False):
+        """Splits dimension 0 of `x` into `n` parts; part `j` goes to the `j`-th device.
+
+        `shape_varies`: `x`'s shape may change between executions of a step
+        whose inputs keep theirs (a dropless MoE's expert buffers, sized by
+        the busiest expert): the call must pair up by its own run-time shape.
+        """
 
     def batch_all_reduce(self, tensors: Sequence, replica: int, group: Group) -> List:
         """Sums of every tensor of `tensors` over `group`, fused into few collectives.

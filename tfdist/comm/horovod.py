@@ -121,8 +121,11 @@ class HorovodBackend:
         return in_supported_dtype(x, lambda x: self.hvd.allgather(
             x, process_set=self._set(group), name=self._name("allgather")))
 
-    def all_to_all(self, x, replica: int, group: Group):
-        """Splits dimension 0 into `len(group)` parts, part j to the j-th rank of `group`."""
+    def all_to_all(self, x, replica: int, group: Group, shape_varies: bool = False):
+        """Splits dimension 0 into `len(group)` parts, part j to the j-th rank of `group`.
+
+        Any shape at every execution (`shape_varies` needs nothing): Horovod
+        negotiates each one by name."""
         if len(group) == 1:
             return tf.identity(x)
         return in_supported_dtype(x, lambda x: self.hvd.alltoall(

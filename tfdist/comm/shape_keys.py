@@ -24,6 +24,12 @@ reserves `max_shapes` keys after each base; a collective of static shape keeps
 
 A step that meets more than `max_shapes` distinct input shapes fails with an
 error naming the limit instead of growing the records without bound.
+
+A collective whose shape changes while the step's inputs keep theirs (a
+dropless MoE's expert buffers, sized by the busiest expert each step) asks for
+`own_shape_id` instead: the id of its own run-time shape among those it has
+met, one table lookup per execution, bounded the same way (the MoE rounds its
+buffer sizes to a few buckets).
 """
 
 import itertools
@@ -74,13 +80,27 @@ class ShapeIds:
             trace: from `new_trace()`, once per traced step.
             tensors: the step's input tensors (every replica's), in a fixed order.
         """
+        return self._id(f"{trace}:", tensors)
+
+    def own_shape_id(self, instance_key: int, x):
+        """The int32 id of `x`'s run-time shape among those collective `instance_key` met.
+
+        For a collective whose shape changes while the step's inputs keep
+        theirs (`shape_varies`): one lookup per execution. Every device of its
+        group passes the same shape, so they find (or add) the same entry in
+        whatever order they come.
+        """
+        return self._id(f"c{instance_key}:", [x])
+
+    def _id(self, prefix, tensors):
+        """Index, in order of first appearance under `prefix`, of `tensors`' shapes."""
         shapes = [tf.shape(t, out_type=tf.int64) for t in tensors]
         with tf.device(self.device):
             dims = tf.concat([tf.reshape(tf.cast(s, tf.int64), [-1]) for s in shapes]
                              + [tf.constant([len(shapes)], tf.int64)], axis=0)
-            key = tf.strings.join([f"{trace}:",
+            key = tf.strings.join([prefix,
                                    tf.strings.reduce_join(tf.strings.as_string(dims), separator=",")])
-            count_key = tf.constant(f"{trace}:#")
+            count_key = tf.constant(f"{prefix}#")
             limit = self.max_shapes
             table = self._table
 

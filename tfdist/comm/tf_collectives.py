@@ -149,9 +149,12 @@ class TFCollectiveBackend:
                 for replica in group:
                     self._sequence[(group, replica)] = top[group]
 
-    def _common(self, replica, group, x):
+    def _common(self, replica, group, x, shape_varies=False):
         group_key, instance_key = self._keys(replica, group)
-        if self._shape_id is not None and not x.shape.is_fully_defined():
+        if shape_varies and not x.shape.is_fully_defined():
+            instance_key = tf.constant(instance_key, tf.int32) + \
+                self._shape_ids.own_shape_id(instance_key, x)
+        elif self._shape_id is not None and not x.shape.is_fully_defined():
             instance_key = tf.constant(instance_key, tf.int32) + self._shape_id
         return dict(
             group_size=len(group),
@@ -183,13 +186,17 @@ class TFCollectiveBackend:
             return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveGatherV2(
                 input=x, **self._common(replica, group, x)))
 
-    def all_to_all(self, x, replica: int, group: Group):
-        """Splits dimension 0 into `len(group)` parts, part j to device j."""
+    def all_to_all(self, x, replica: int, group: Group, shape_varies: bool = False):
+        """Splits dimension 0 into `len(group)` parts, part j to device j.
+
+        `shape_varies`: the instance is keyed by `x`'s own run-time shape (a
+        lookup in the shape table per execution) instead of the step's.
+        """
         with tf.device(self.devices[replica]):
             if len(group) == 1:
                 return tf.identity(x)
             return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveAllToAllV2(
-                input=x, **self._common(replica, group, x)))
+                input=x, **self._common(replica, group, x, shape_varies)))
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
         """Sums over `group`, one collective per fused bucket (see `tfdist.comm.fusion`)."""

@@ -121,9 +121,14 @@ def _column(x, axis, compute, concat_dim):
 
 
 def _row(x, axis, split_dim, compute):
-    """`compute` on this device's input columns of every row, partial sums scattered back."""
+    """`compute` on this device's input columns of every row, partial sums scattered back.
+
+    Half-precision partial sums are kept in float32 and rounded once after the
+    sum, as one device rounds (`collectives.reduce_scatter_partial_sums`;
+    Keras's ops promote the weight to the input's float32).
+    """
     x_cols = collectives.all_to_all(x, axis, split_dim=split_dim, concat_dim=0)
-    return collectives.reduce_scatter(compute(x_cols), axis, dim=0)  # [b, ..., d_out]
+    return collectives.reduce_scatter_partial_sums(compute, [x_cols], axis, dim=0)
 
 
 def _finish(layer, y, whole_bias=True):

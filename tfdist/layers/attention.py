@@ -42,6 +42,11 @@ def causal_bias(length):
     return ((1.0 - allowed) * NEG_INF)[None, None]
 
 
+def _project_out(context, output_kernel):
+    """`[b, H, Lq, d_kv]` times `[H, d_kv, d]`: `[b, Lq, d]`, summed over the heads."""
+    return tf.einsum("bhqk,hkd->bqd", context, output_kernel)
+
+
 @keras.saving.register_keras_serializable(package="tfdist")
 class ShardedAttention(keras.layers.Layer):
     """Multi-head dot-product attention with heads split by the layout rules.
@@ -112,6 +117,11 @@ class ShardedAttention(keras.layers.Layer):
 
     def attend(self, q, k, v, bias=None, training=None):
         """Softmax attention of `q` over `k`/`v`, then the output projection: `[b, Lq, d]`."""
+        return _project_out(self.attend_context(q, k, v, bias, training),
+                            tf.convert_to_tensor(self.output_kernel))
+
+    def attend_context(self, q, k, v, bias=None, training=None):
+        """Softmax attention of `q` over `k`/`v`: `[b, H_local, Lq, d_kv]`."""
         # Masks are added in float32: -1e9 is -inf in float16, and a row whose
         # keys are all masked would then be NaN instead of uniform.
         logits = tf.cast(tf.einsum("bhqk,bhlk->bhql", q, k), "float32")
@@ -120,8 +130,7 @@ class ShardedAttention(keras.layers.Layer):
         probs = tf.nn.softmax(logits, axis=-1)
         if training and self.dropout:
             probs = keras.random.dropout(probs, self.dropout, seed=self.seed_generator)
-        context = tf.einsum("bhql,bhlk->bhqk", tf.cast(probs, v.dtype), v)
-        return tf.einsum("bhqk,hkd->bqd", context, self.output_kernel)
+        return tf.einsum("bhql,bhlk->bhqk", tf.cast(probs, v.dtype), v)
 
     @staticmethod
     def write_cache(cache, value, index):
@@ -144,8 +153,10 @@ class ShardedAttention(keras.layers.Layer):
             causal_part = causal_bias(tf.shape(query_all)[1])
             bias = causal_part if bias is None else bias + causal_part
         k, v = self.project_kv(memory_all)
-        partial = self.attend(self.project_query(query_all), k, v, bias, training)
-        return collectives.reduce_scatter(partial, axis, dim=0)  # [b, Lq, d]
+        context = self.attend_context(self.project_query(query_all), k, v, bias, training)
+        # Partial sums over the local heads [b*M, Lq, d] -> [b, Lq, d]
+        return collectives.reduce_scatter_partial_sums(
+            _project_out, [context, tf.convert_to_tensor(self.output_kernel)], axis, dim=0)
 
     def compute_output_shape(self, query_shape, memory_shape=None):
         return tuple(query_shape)

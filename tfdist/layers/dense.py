@@ -36,6 +36,13 @@ from tfdist.layers.weights import (
 )
 
 
+def _contract(x, kernel):
+    """`x [..., d_in]` times `kernel [d_in, d_out]`."""
+    if x.shape.rank == 2:
+        return tf.matmul(x, kernel)
+    return tf.tensordot(x, kernel, axes=1)
+
+
 @keras.saving.register_keras_serializable(package="tfdist")
 class ShardedDense(keras.layers.Layer):
     """A dense layer whose kernel is split by the layout rules (Megatron forms).
@@ -147,9 +154,7 @@ class ShardedDense(keras.layers.Layer):
         return self._finish(self._matmul(x))
 
     def _matmul(self, x):
-        if x.shape.rank == 2:
-            return tf.matmul(x, self.kernel)
-        return tf.tensordot(x, self.kernel, axes=1)
+        return _contract(x, self.kernel)
 
     def _finish(self, y):
         if self.bias is not None:
@@ -171,8 +176,9 @@ class ShardedDense(keras.layers.Layer):
             width = x_all.shape[-1] // collectives.axis_size(axis)
             start = collectives.axis_index(axis) * width
             x = x_all[..., start : start + width]  # [b*M, ..., d_in/M]
-        partial = self._matmul(x)  # [b*M, ..., d_out], a partial sum
-        y = collectives.reduce_scatter(partial, axis, dim=0)  # [b, ..., d_out]
+        # [b*M, ..., d_out] partial sums -> [b, ..., d_out]
+        y = collectives.reduce_scatter_partial_sums(
+            _contract, [x, tf.convert_to_tensor(self.kernel)], axis, dim=0)
         return self._finish(y)
 
     def compute_output_shape(self, input_shape):

@@ -1,4 +1,4 @@
-"""GShard-style mixture of experts, sharded by the layout rules.
+"""Mixture of experts (GShard, Switch, expert choice, dropless), sharded by the layout rules.
 
 Dimension cheat-sheet (as in Mesh-TF's moe.py):
 
@@ -9,18 +9,29 @@ Dimension cheat-sheet (as in Mesh-TF's moe.py):
     C  expert capacity per group    A  size of the mesh axis the experts
                                        (or d_ff) are split over
 
-Routing happens within each group of S consecutive tokens (GShard's local
-dispatch groups): the router picks each token's top-1 (and top-2) expert,
-every expert takes at most C tokens of a group (top-1 choices first, in token
-order, then top-2 choices), and tokens over capacity pass through with zero
-output from that expert (the model's residual carries them).
+Routing (`tfdist.layers.moe_routing`) happens within each group of S
+consecutive tokens (GShard's local dispatch groups). Token choice: each token
+picks its top-k experts, every expert takes at most C tokens of a group (first
+choices first, in token order, then second choices, ...), and tokens over
+capacity pass through with zero output from that expert (the model's residual
+carries them):
 
     C = max(min_capacity, min(S, ceil(top_k * S * capacity_factor / E)))
+
+Expert choice: each expert takes its C = ceil(S * capacity_factor / E)
+highest-scoring tokens of a group. Dropless: token choice with buffers sized
+each step by the busiest expert, nothing dropped.
+
+Dispatch is by index: each expert's buffer `[E, G, C, M]` is gathered from the
+tokens and the outputs scatter-added back with their gates, O(E*G*C*M) moves
+(GShard's one-hot einsums, `dispatch="one_hot"`, cost O(G*S*E*C*M) FLOPs).
 
 Expert parallelism (`experts:A`): each device holds E/A experts; tokens go to
 their experts and back with two all-to-alls over A. Expert hidden split
 (`d_ff:A`): each device holds every expert's H/A slice; the batch is gathered
-over A and the partial outputs reduce-scattered back.
+over A and the partial outputs reduce-scattered back. Shared experts (an
+always-on FFN of `shared_d_ff` units, DeepSeekMoE / Qwen-MoE) split their
+hidden units like the experts' (`d_ff:A`) or are replicated.
 """
 
 import math
@@ -29,6 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import batch_rows, collectives
+from tfdist.layers import moe_routing
 from tfdist.layers.weights import (
     add_sharded_weight,
     check_mesh,
@@ -38,6 +50,8 @@ from tfdist.layers.weights import (
 )
 
 SECOND_EXPERT_POLICIES = ("all", "sampling", "threshold")
+ROUTINGS = ("token_choice", "expert_choice")
+DISPATCHES = ("index", "one_hot")
 
 
 def expert_capacity(group_size, num_experts, top_k, capacity_factor, min_capacity):
@@ -56,7 +70,9 @@ def top_k_gating(
     seed=None,
     token_mask=None,
 ):
-    """GShard top-1/top-2 gating with capacity, computed per group.
+    """GShard top-1/top-2 gating with capacity as one-hot tensors (`dispatch="one_hot"`).
+
+    The same routing as `moe_routing.token_choice` for top-1 and top-2.
 
     Args:
         logits: router logits `[G, S, E]` (float32).
@@ -186,38 +202,58 @@ class ExpertLoad(keras.metrics.Metric):
 
 @keras.saving.register_keras_serializable(package="tfdist")
 class MoE(keras.layers.Layer):
-    """A GShard mixture-of-experts feed-forward layer.
+    """A mixture-of-experts feed-forward layer (GShard, Switch, expert choice, dropless).
 
     Args:
         num_experts: E.
         d_ff: H, each expert's hidden size.
-        top_k: 1 (Switch-style) or 2 (GShard).
-        capacity_factor: capacity factor in training (Mesh-TF: 1.25).
+        top_k: experts per token, 1 (Switch) to E; 2 is GShard's. Gates: the
+            router probability for top-1, else the k probabilities
+            renormalised to sum to 1. Token choice only.
+        routing: `token_choice` (each token picks its top_k experts) or
+            `expert_choice` (each expert picks its top C tokens of a group,
+            Zhou et al. 2022; not causal, so not for a decoder).
+        capacity_factor: capacity factor in training (Mesh-TF: 1.25). Expert
+            choice: C = ceil(S * capacity_factor / E) tokens per expert.
         eval_capacity_factor: capacity factor in evaluation (Mesh-TF: 2.0).
         min_capacity: the least capacity per expert and group.
+        dropless: token choice that drops no token: the experts' buffers are
+            sized each step by the busiest expert (agreed over the expert
+            axis, rounded up to one of a bounded set of sizes, at most the
+            replica's token count); the capacity arguments are unused.
+        shared_d_ff: hidden size of an always-on FFN added to the routed
+            output (DeepSeekMoE / Qwen-MoE shared experts); 0 for none.
         second_expert_policy: `all`, `sampling` or `threshold` (top-2 only).
         second_expert_threshold: threshold of the two policies above.
         group_size: S, tokens per dispatch group; in training it must divide
             the tokens each replica holds (batch * length); in inference a
             smaller group (the largest that divides the tokens) is used
             where it does not.
-        aux_loss_coef: weight of GShard's load-balancing loss (Mesh-TF: 1e-2).
+        aux_loss_coef: weight of GShard's load-balancing loss (Mesh-TF: 1e-2;
+            expert choice has none).
         z_loss_coef: weight of the router z-loss (ST-MoE).
         router_jitter: in training, multiply router inputs by noise drawn
             uniformly from [1 - jitter, 1 + jitter] (Switch).
         activation: expert activation.
         dropout: dropout rate on the expert hidden activations.
         seed: seed for jitter, dropout and sampling.
-        hidden_axis: the logical axis of the experts' hidden dimension
-            ("d_ff", or None to never split it: for a layout that splits
-            `experts` and `d_ff` over the same mesh axis, as a transformer
-            whose dense FFNs split `d_ff` does).
+        hidden_axis: the logical axis of the experts' (and shared experts')
+            hidden dimension ("d_ff", or None to never split it: for a
+            layout that splits `experts` and `d_ff` over the same mesh axis,
+            as a transformer whose dense FFNs split `d_ff` does).
+        causal: the layer is in a causal model (a decoder), where a token's
+            output must not depend on later tokens: expert choice is refused.
+        dispatch: `index` (gather the tokens into the experts' buffers and
+            scatter-add them back) or `one_hot` (GShard's dispatch and
+            combine einsums; token choice, top-1 or top-2, with capacity).
 
     Input shape: `[batch, length, d_model]` or `[batch, d_model]`.
     Output shape: the same.
 
     Weights: `router [d_model, E]` (replicated), `wi [E, d_model, d_ff]` and
-    `wo [E, d_ff, d_model]` with logical axes `experts`, `d_model`, `d_ff`.
+    `wo [E, d_ff, d_model]` with logical axes `experts`, `d_model`, `d_ff`;
+    with shared experts, `shared_wi [d_model, shared_d_ff]` and
+    `shared_wo [shared_d_ff, d_model]` (`d_model`, `d_ff`).
 
     Example:
 
@@ -247,6 +283,11 @@ class MoE(keras.layers.Layer):
         dropout=0.0,
         seed=None,
         hidden_axis="d_ff",
+        routing="token_choice",
+        dropless=False,
+        shared_d_ff=0,
+        causal=False,
+        dispatch="index",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -254,12 +295,10 @@ class MoE(keras.layers.Layer):
         self.d_ff = check_positive_int("d_ff", d_ff)
         self.group_size = check_positive_int("group_size", group_size)
         self.min_capacity = check_positive_int("min_capacity", min_capacity)
-        if top_k not in (1, 2):
-            raise ValueError(f"`top_k` must be 1 or 2. Received: top_k={top_k!r}")
-        if top_k > num_experts:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
             raise ValueError(
-                f"`top_k` cannot exceed `num_experts`. Received: top_k={top_k}, "
-                f"num_experts={num_experts}"
+                f"`top_k` must be an integer from 1 to num_experts={num_experts}. "
+                f"Received: top_k={top_k!r}"
             )
         for name, value in (("capacity_factor", capacity_factor),
                             ("eval_capacity_factor", eval_capacity_factor)):
@@ -270,6 +309,11 @@ class MoE(keras.layers.Layer):
                 f"`second_expert_policy` must be one of {list(SECOND_EXPERT_POLICIES)}. "
                 f"Received: second_expert_policy={second_expert_policy!r}"
             )
+        if second_expert_policy != "all" and top_k > 2:
+            raise ValueError(
+                f"`second_expert_policy={second_expert_policy!r}` decides second choices of "
+                f"top-2 routing; use 'all' with top_k={top_k}."
+            )
         for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                             ("router_jitter", router_jitter),
                             ("second_expert_threshold", second_expert_threshold)):
@@ -279,6 +323,39 @@ class MoE(keras.layers.Layer):
             raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
         if router_jitter >= 1:
             raise ValueError(f"`router_jitter` must be < 1. Received: router_jitter={router_jitter!r}")
+        if hidden_axis not in ("d_ff", None):
+            raise ValueError(f"`hidden_axis` must be 'd_ff' or None. Received: {hidden_axis!r}")
+        if routing not in ROUTINGS:
+            raise ValueError(f"`routing` must be one of {list(ROUTINGS)}. Received: "
+                             f"routing={routing!r}")
+        if routing == "expert_choice" and causal:
+            raise ValueError(
+                f"Layer {self.name!r}: routing='expert_choice' lets each expert pick among "
+                f"all tokens of a group, so a token's output depends on later tokens; a "
+                f"causal (decoder) MoE must use routing='token_choice'."
+            )
+        if routing == "expert_choice" and (top_k != 2 or second_expert_policy != "all"):
+            # top_k's default is 2: anything else was asked for and would be ignored.
+            raise ValueError(
+                f"`top_k` and `second_expert_policy` are token-choice arguments; with "
+                f"routing='expert_choice' the capacity factor sets the tokens per expert. "
+                f"Received: top_k={top_k!r}, second_expert_policy={second_expert_policy!r}"
+            )
+        if dropless and routing != "token_choice":
+            raise ValueError(f"`dropless=True` is token-choice routing without capacity; "
+                             f"received routing={routing!r}.")
+        if not isinstance(shared_d_ff, int) or isinstance(shared_d_ff, bool) or shared_d_ff < 0:
+            raise ValueError(f"`shared_d_ff` must be an integer >= 0. Received: "
+                             f"shared_d_ff={shared_d_ff!r}")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"`dispatch` must be one of {list(DISPATCHES)}. Received: "
+                             f"dispatch={dispatch!r}")
+        if dispatch == "one_hot" and (routing != "token_choice" or dropless or top_k > 2):
+            raise ValueError(
+                f"dispatch='one_hot' is GShard's top-1/top-2 token choice with capacity; "
+                f"received routing={routing!r}, dropless={dropless!r}, top_k={top_k!r}. "
+                f"Use dispatch='index'."
+            )
         self.top_k = top_k
         self.capacity_factor = float(capacity_factor)
         self.eval_capacity_factor = float(eval_capacity_factor)
@@ -290,12 +367,17 @@ class MoE(keras.layers.Layer):
         self.activation = keras.activations.get(activation)
         self.dropout = float(dropout)
         self.seed = seed
-        if hidden_axis not in ("d_ff", None):
-            raise ValueError(f"`hidden_axis` must be 'd_ff' or None. Received: {hidden_axis!r}")
         self.hidden_axis = hidden_axis
+        self.routing = routing
+        self.dropless = bool(dropless)
+        self.shared_d_ff = shared_d_ff
+        self.causal = bool(causal)
+        self.dispatch = dispatch
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
+        if self.dropless:
+            self.supports_jit = False  # buffer sizes are known only at run time
         self.aux_loss_metric = keras.metrics.Mean(name=f"{self.name}_aux_loss")
         self.z_loss_metric = keras.metrics.Mean(name=f"{self.name}_z_loss")
         self.dropped_metric = keras.metrics.Mean(name=f"{self.name}_dropped")
@@ -304,12 +386,18 @@ class MoE(keras.layers.Layer):
     def build(self, input_shape):
         d_model = int(input_shape[-1])
         E, H = self.num_experts, self.d_ff
+        fan_in = keras.initializers.VarianceScaling(1.0, "fan_in")
         self.router = add_sharded_weight(self, "router", (d_model, E), ("d_model", None),
                                          initializer="glorot_uniform")
-        self.wi = add_sharded_weight(self, "wi", (E, d_model, H), ("experts", "d_model", self.hidden_axis),
-                                     initializer=keras.initializers.VarianceScaling(1.0, "fan_in"))
-        self.wo = add_sharded_weight(self, "wo", (E, H, d_model), ("experts", self.hidden_axis, "d_model"),
-                                     initializer=keras.initializers.VarianceScaling(1.0, "fan_in"))
+        self.wi = add_sharded_weight(self, "wi", (E, d_model, H),
+                                     ("experts", "d_model", self.hidden_axis), initializer=fan_in)
+        self.wo = add_sharded_weight(self, "wo", (E, H, d_model),
+                                     ("experts", self.hidden_axis, "d_model"), initializer=fan_in)
+        if self.shared_d_ff:
+            self.shared_wi = add_sharded_weight(self, "shared_wi", (d_model, self.shared_d_ff),
+                                                ("d_model", self.hidden_axis), initializer=fan_in)
+            self.shared_wo = add_sharded_weight(self, "shared_wo", (self.shared_d_ff, d_model),
+                                                (self.hidden_axis, "d_model"), initializer=fan_in)
         layout = self.weight_layouts["wi"]
         self._expert_axis = sharded_mesh_axis(layout, 0)
         self._ff_axis = sharded_mesh_axis(layout, 2)
@@ -365,36 +453,93 @@ class MoE(keras.layers.Layer):
                 seed=self.seed_generator)
         logits = tf.einsum("gsm,me->gse", tf.cast(router_in, "float32"),
                            tf.cast(self.router, "float32"))  # [G, S, E]
-        factor = self.capacity_factor if training else self.eval_capacity_factor
-        capacity = expert_capacity(S, self.num_experts, self.top_k, factor, self.min_capacity)
-        dispatch, combine, stats = top_k_gating(
-            logits, self.top_k, capacity, self.second_expert_policy,
-            self.second_expert_threshold, training, self.seed_generator, token_mask)
-        dispatch = tf.cast(dispatch, groups.dtype)
-        combine = tf.cast(combine, groups.dtype)
-
-        expert_in = tf.einsum("gsec,gsm->egcm", dispatch, groups)  # [E, G, C, M]
-        if self._expert_axis is not None:
-            # [E, G, C, M] -> [E/A, G*A, C, M]: each device gets its experts' tokens.
-            expert_in = collectives.all_to_all(expert_in, self._expert_axis, split_dim=0, concat_dim=1)
-        hidden = self.activation(tf.einsum("egcm,emh->egch", expert_in, self.wi))  # [E', G', C, H']
-        if training and self.dropout > 0:
-            hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
-        expert_out = tf.einsum("egch,ehm->egcm", hidden, self.wo)  # [E', G', C, M]
-        if self._expert_axis is not None:
-            # [E/A, G*A, C, M] -> [E, G, C, M]: outputs go back to their tokens.
-            expert_out = collectives.all_to_all(expert_out, self._expert_axis, split_dim=1, concat_dim=0)
-        y = tf.einsum("gsec,egcm->gsm", combine, expert_out)  # [G, S, M]
+        if self.dispatch == "one_hot":
+            y, stats = self._one_hot_experts(groups, logits, S, training, token_mask)
+        else:
+            routing = self._route(logits, S, training, token_mask)
+            y, stats = self._experts(tokens, routing, training), routing.stats
         y = tf.reshape(y, [num_tokens, d_model])
+        if self.shared_d_ff:
+            y += self._shared_experts(tokens, training)
         if self._ff_axis is not None:
             y = collectives.reduce_scatter(y, self._ff_axis, dim=0)  # partial over H -> [T, M]
 
-        self.add_loss(self.aux_loss_coef * stats["aux_loss"] + self.z_loss_coef * stats["z_loss"])
+        aux_coef = self.aux_loss_coef if self.routing == "token_choice" else 0.0
+        self.add_loss(aux_coef * stats["aux_loss"] + self.z_loss_coef * stats["z_loss"])
         self.aux_loss_metric.update_state(stats["aux_loss"])
         self.z_loss_metric.update_state(stats["z_loss"])
         self.dropped_metric.update_state(stats["dropped_fraction"])
         self.load_metric.update_state(stats["load"])
         return tf.reshape(y, shape)
+
+    def _capacity(self, S, training):
+        factor = self.capacity_factor if training else self.eval_capacity_factor
+        if self.routing == "expert_choice":
+            return min(S, expert_capacity(S, self.num_experts, 1, factor, self.min_capacity))
+        return expert_capacity(S, self.num_experts, self.top_k, factor, self.min_capacity)
+
+    def _route(self, logits, S, training, token_mask):
+        if self.routing == "expert_choice":
+            return moe_routing.expert_choice(logits, self._capacity(S, training), token_mask)
+
+        def agree(busiest):  # every device of the expert axis sizes its buffers alike
+            return tf.cast(collectives.pmax(tf.cast(busiest, tf.float32), self._expert_axis),
+                           tf.int32)
+
+        return moe_routing.token_choice(
+            logits, self.top_k, None if self.dropless else self._capacity(S, training),
+            self.second_expert_policy, self.second_expert_threshold, training,
+            self.seed_generator, token_mask, agree_capacity=agree)
+
+    def _experts(self, tokens, routing, training):
+        """The routed output `[T, M]`: buffers gathered by index, outputs scatter-added back."""
+        num_tokens = tf.shape(tokens)[0]
+        padded = tf.concat([tokens, tf.zeros_like(tokens[:1])], axis=0)  # row T: empty slots
+        expert_in = tf.gather(padded, routing.slot_token)  # [E, G, C, M]
+        expert_out = self._expert_ffn(expert_in, training)
+        weighted = expert_out * tf.cast(routing.slot_gate, expert_out.dtype)[..., None]
+        y = tf.math.unsorted_segment_sum(tf.reshape(weighted, [-1, tokens.shape[-1]]),
+                                         tf.reshape(routing.slot_token, [-1]), num_tokens + 1)
+        return y[:-1]
+
+    def _one_hot_experts(self, groups, logits, S, training, token_mask):
+        """GShard's formulation: one-hot dispatch and combine einsums."""
+        dispatch, combine, stats = top_k_gating(
+            logits, self.top_k, self._capacity(S, training), self.second_expert_policy,
+            self.second_expert_threshold, training, self.seed_generator, token_mask)
+        dispatch = tf.cast(dispatch, groups.dtype)
+        combine = tf.cast(combine, groups.dtype)
+        expert_in = tf.einsum("gsec,gsm->egcm", dispatch, groups)  # [E, G, C, M]
+        expert_out = self._expert_ffn(expert_in, training)
+        return tf.einsum("gsec,egcm->gsm", combine, expert_out), stats  # [G, S, M]
+
+    def _expert_ffn(self, expert_in, training):
+        """Every expert's FFN on its buffers `[E, G, C, M]`, expert-parallel over A."""
+        if self._expert_axis is not None:
+            # [E, G, C, M] -> [E/A, G*A, C, M]: each device gets its experts' tokens.
+            expert_in = collectives.all_to_all(expert_in, self._expert_axis, split_dim=0,
+                                               concat_dim=1, shape_varies=self.dropless)
+        hidden = self.activation(tf.einsum("egcm,emh->egch", expert_in, self.wi))
+        if training and self.dropout > 0:
+            hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
+        expert_out = tf.einsum("egch,ehm->egcm", hidden, self.wo)  # [E', G', C, M]
+        if self._expert_axis is not None:
+            # [E/A, G*A, C, M] -> [E, G, C, M]: outputs go back to their tokens.
+            expert_out = collectives.all_to_all(expert_out, self._expert_axis, split_dim=1,
+                                                concat_dim=0, shape_varies=self.dropless)
+        return expert_out
+
+    def _shared_experts(self, tokens, training):
+        """The always-on FFN on every token: partial sums over H/A when `d_ff` is split.
+
+        Its hidden units are split like the experts' (`hidden_axis`), so the
+        tokens are the ones already gathered over that axis and the partial
+        sums go back with the routed output's reduce-scatter.
+        """
+        hidden = self.activation(tf.matmul(tokens, self.shared_wi))
+        if training and self.dropout > 0:
+            hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
+        return tf.matmul(hidden, self.shared_wo)
 
     @staticmethod
     def _token_mask(x):
@@ -435,5 +580,10 @@ class MoE(keras.layers.Layer):
             dropout=self.dropout,
             seed=self.seed,
             hidden_axis=self.hidden_axis,
+            routing=self.routing,
+            dropless=self.dropless,
+            shared_d_ff=self.shared_d_ff,
+            causal=self.causal,
+            dispatch=self.dispatch,
         )
         return config

@@ -53,7 +53,7 @@ class FeedForward(keras.layers.Layer):
         return {**super().get_config(), "d_ff": self.d_ff}
 
 
-def _feed_forward(config: TransformerConfig, index: int, name: str):
+def _feed_forward(config: TransformerConfig, index: int, name: str, causal: bool):
     """Block `index`'s FFN: MoE in every other block when `moe_experts > 0`."""
     if config.moe_experts and index % 2 == 1:
         mesh = collectives.current_mesh()
@@ -62,6 +62,8 @@ def _feed_forward(config: TransformerConfig, index: int, name: str):
         return MoE(config.moe_experts, config.d_ff, top_k=config.moe_top_k,
                    capacity_factor=config.moe_capacity_factor, group_size=config.moe_group_size,
                    aux_loss_coef=config.moe_aux_loss_coef, min_capacity=1,
+                   routing=config.moe_routing, dropless=config.moe_dropless,
+                   shared_d_ff=config.moe_shared_d_ff, causal=causal,
                    hidden_axis=None if same_axis else "d_ff", name=name)
     return FeedForward(config.d_ff, name=name)
 
@@ -82,7 +84,7 @@ class _Block(keras.layers.Layer):
             self.cross_attention = ShardedAttention(c.num_heads, c.d_kv, dropout=c.dropout,
                                                     name="cross_attention")
         self.ffn_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="ffn_norm")
-        self.ffn = _feed_forward(c, index, "ffn")
+        self.ffn = _feed_forward(c, index, "ffn", causal=cross)  # decoder blocks: causal
         self.drop = keras.layers.Dropout(c.dropout)
 
     def build(self, input_shape):

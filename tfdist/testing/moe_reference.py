@@ -1,10 +1,13 @@
 """A single-device MoE written differently: a per-token loop over chosen experts.
 
-No dispatch or combine tensors, no cumsum: for each group it walks the tokens in
-order, keeps a running count of tokens per expert, admits a token's top-1
-choice while its expert has room, then walks them again for top-2 choices, and
-adds `gate * FFN_e(token)` for each admitted choice. Same weights and gates as
-`tfdist.layers.MoE` (policy `all`, no jitter, no dropout).
+No dispatch or combine tensors, no cumsum, no slot indices, no top-k op: for
+each group it finds each token's choices by repeated argmax, walks the tokens
+in order keeping a running count of tokens per expert, admits a token's first
+choice while its expert has room, then walks them again for second choices
+(and so on), and adds `gate * FFN_e(token)` for each admitted choice. Expert
+choice ranks each expert's tokens by pairwise comparison instead. Dropless is
+the same loop with no limit. Shared experts: a plain matmul FFN added. Same
+weights and gates as `tfdist.layers.MoE` (policy `all`, no jitter, no dropout).
 """
 
 import keras
@@ -14,12 +17,38 @@ from tfdist.layers.moe import expert_capacity
 
 
 def add_expert_weights(layer, input_shape):
-    """The MoE's weights, in its order: router `[M, E]`, wi `[E, M, H]`, wo `[E, H, M]`."""
+    """The MoE's weights, in its order: router `[M, E]`, wi `[E, M, H]`, wo `[E, H, M]`,
+    then with shared experts `shared_wi [M, Hs]`, `shared_wo [Hs, M]`."""
     d_model = int(input_shape[-1])
     E, H = layer.num_experts, layer.d_ff
     layer.router = layer.add_weight(name="router", shape=(d_model, E))
     layer.wi = layer.add_weight(name="wi", shape=(E, d_model, H))
     layer.wo = layer.add_weight(name="wo", shape=(E, H, d_model))
+    if layer.shared_d_ff:
+        layer.shared_wi = layer.add_weight(name="shared_wi", shape=(d_model, layer.shared_d_ff))
+        layer.shared_wo = layer.add_weight(name="shared_wo", shape=(layer.shared_d_ff, d_model))
+
+
+def _shared(layer, x):
+    """The shared experts' FFN on `x [..., M]` (zero without them)."""
+    if not layer.shared_d_ff:
+        return tf.zeros_like(x)
+    return tf.matmul(layer.activation(tf.matmul(x, layer.shared_wi)), layer.shared_wo)
+
+
+def _top_choices(probs, top_k):
+    """Each row's `top_k` experts by repeated argmax (earlier index on ties), and gates."""
+    E = probs.shape[-1]
+    choices, taken = [], tf.zeros_like(probs)
+    for _ in range(top_k):
+        pick = tf.argmax(probs - 2.0 * taken, axis=-1, output_type=tf.int32)
+        choices.append(pick)
+        taken += tf.one_hot(pick, E)
+    picked = [tf.gather(probs, c, batch_dims=1) for c in choices]
+    if top_k == 1:
+        return choices, picked
+    total = tf.add_n(picked) + 1e-9
+    return choices, [p / total for p in picked]
 
 
 @keras.saving.register_keras_serializable(package="tfdist_testing")
@@ -28,9 +57,11 @@ class ReferenceMoE(keras.layers.Layer):
 
     def __init__(self, num_experts, d_ff, top_k=2, capacity_factor=1.25,
                  eval_capacity_factor=2.0, min_capacity=4, group_size=1024,
-                 aux_loss_coef=1e-2, z_loss_coef=0.0, activation="relu", **kwargs):
+                 aux_loss_coef=1e-2, z_loss_coef=0.0, activation="relu",
+                 routing="token_choice", dropless=False, shared_d_ff=0, **kwargs):
         for unsupported in ("second_expert_policy", "second_expert_threshold",
-                            "router_jitter", "dropout", "seed", "hidden_axis"):
+                            "router_jitter", "dropout", "seed", "hidden_axis", "causal",
+                            "dispatch"):
             kwargs.pop(unsupported, None)
         super().__init__(**kwargs)
         self.num_experts, self.d_ff, self.top_k = num_experts, d_ff, top_k
@@ -38,6 +69,7 @@ class ReferenceMoE(keras.layers.Layer):
         self.min_capacity, self.group_size = min_capacity, group_size
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.activation = keras.activations.get(activation)
+        self.routing, self.dropless, self.shared_d_ff = routing, dropless, shared_d_ff
 
     def build(self, input_shape):
         add_expert_weights(self, input_shape)
@@ -56,34 +88,50 @@ class ReferenceMoE(keras.layers.Layer):
         tokens = tf.reshape(x, [-1, d_model])
         num_tokens, S, E = tokens.shape[0], self.group_size, self.num_experts
         factor = self.capacity_factor if training else self.eval_capacity_factor
-        capacity = expert_capacity(S, E, self.top_k, factor, self.min_capacity)
         outputs, aux_terms, z_terms = [], [], []
         for g in range(num_tokens // S):
             group = tokens[g * S:(g + 1) * S]
             logits = tf.matmul(group, self.router)  # [S, E]
             probs = tf.nn.softmax(logits)
             z_terms.append(tf.reduce_mean(tf.square(tf.reduce_logsumexp(logits, axis=-1))))
-            first = tf.argmax(probs, axis=-1, output_type=tf.int32)
-            second = tf.argmax(probs - 2.0 * tf.one_hot(first, E), axis=-1, output_type=tf.int32)
+            if self.routing == "expert_choice":
+                capacity = min(S, expert_capacity(S, E, 1, factor, self.min_capacity))
+                outputs.append(self._expert_choice(group, probs, capacity))
+                continue
+            capacity = expert_capacity(S, E, self.top_k, factor, self.min_capacity)
+            if self.dropless:
+                capacity = S * self.top_k  # never reached
+            choices, gates = _top_choices(probs, self.top_k)
             aux_terms.append(tf.reduce_mean(
-                tf.reduce_mean(tf.one_hot(first, E), 0) * tf.reduce_mean(probs, 0)) * E * E)
-            choices = [first] + ([second] if self.top_k == 2 else [])
-            p1 = tf.gather(probs, first, batch_dims=1)
-            p2 = tf.gather(probs, second, batch_dims=1)
-            gates = [p1] if self.top_k == 1 else [p1 / (p1 + p2 + 1e-9), p2 / (p1 + p2 + 1e-9)]
+                tf.reduce_mean(tf.one_hot(choices[0], E), 0) * tf.reduce_mean(probs, 0)) * E * E)
             count = tf.zeros([E])
             out = [tf.zeros([d_model]) for _ in range(S)]
-            for choice, gate in zip(choices, gates):  # all top-1 choices before any top-2
+            for choice, gate in zip(choices, gates):  # all first choices before any second
                 for s in range(S):
                     e = choice[s]
                     admitted = tf.cast(tf.gather(count, e) < capacity, tf.float32)
                     count += tf.one_hot(e, E) * admitted
                     out[s] = out[s] + admitted * gate[s] * self._expert(e, group[s])
             outputs.append(tf.stack(out))
-        aux = tf.add_n(aux_terms) / len(aux_terms)
         z = tf.add_n(z_terms) / len(z_terms)
+        aux = tf.add_n(aux_terms) / len(aux_terms) if aux_terms else 0.0
         self.add_loss(self.aux_loss_coef * aux + self.z_loss_coef * z)
-        return tf.reshape(tf.concat(outputs, axis=0), tf.shape(x))
+        y = tf.concat(outputs, axis=0) + _shared(self, tokens)
+        return tf.reshape(y, tf.shape(x))
+
+    def _expert_choice(self, group, probs, capacity):
+        """Expert e takes the tokens whose score for e fewer than `capacity` others beat."""
+        S = group.shape[0]
+        out = [tf.zeros([group.shape[-1]]) for _ in range(S)]
+        for e in range(self.num_experts):
+            score = probs[:, e]  # [S]
+            for s in range(S):
+                beaten_by = tf.reduce_sum(tf.cast(score > score[s], tf.int32))
+                if s:  # ties: the earlier token first
+                    beaten_by += tf.reduce_sum(tf.cast(tf.equal(score[:s], score[s]), tf.int32))
+                taken = tf.cast(beaten_by < capacity, tf.float32)
+                out[s] = out[s] + taken * score[s] * self._expert(tf.constant(e), group[s])
+        return tf.stack(out)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
@@ -100,15 +148,17 @@ class NoDropReferenceMoE(keras.layers.Layer):
     with `aux_loss_coef=z_loss_coef=0`). Takes the MoE's config.
     """
 
-    def __init__(self, num_experts, d_ff, top_k=2, activation="relu", **kwargs):
+    def __init__(self, num_experts, d_ff, top_k=2, activation="relu", shared_d_ff=0,
+                 **kwargs):
         for unused in ("capacity_factor", "eval_capacity_factor", "min_capacity", "group_size",
                        "aux_loss_coef", "z_loss_coef", "second_expert_policy",
                        "second_expert_threshold", "router_jitter", "dropout", "seed",
-                       "hidden_axis"):
+                       "hidden_axis", "routing", "dropless", "causal", "dispatch"):
             kwargs.pop(unused, None)
         super().__init__(**kwargs)
         self.num_experts, self.d_ff, self.top_k = num_experts, d_ff, top_k
         self.activation = keras.activations.get(activation)
+        self.shared_d_ff = shared_d_ff
 
     def build(self, input_shape):
         add_expert_weights(self, input_shape)
@@ -117,11 +167,11 @@ class NoDropReferenceMoE(keras.layers.Layer):
         x = tf.convert_to_tensor(inputs)
         probs = tf.nn.softmax(tf.einsum("...m,me->...e", x, self.router))
         gates, experts = tf.math.top_k(probs, k=self.top_k)
-        if self.top_k == 2:
+        if self.top_k > 1:
             gates = gates / (tf.reduce_sum(gates, axis=-1, keepdims=True) + 1e-9)
         mix = tf.reduce_sum(tf.one_hot(experts, self.num_experts) * gates[..., None], axis=-2)
         hidden = self.activation(tf.einsum("...m,emh->...eh", x, self.wi))
-        return tf.einsum("...e,...eh,ehm->...m", mix, hidden, self.wo)
+        return tf.einsum("...e,...eh,ehm->...m", mix, hidden, self.wo) + _shared(self, x)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
