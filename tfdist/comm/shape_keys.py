@@ -62,6 +62,7 @@ class ShapeIds:
             raise ValueError(f"max_shapes must be a positive integer; received {max_shapes!r}.")
         self.device = device
         self.max_shapes = int(max_shapes)
+        self._own_tables = {}  # device -> table of `own_shape_id`
         with tf.init_scope(), tf.device(device):
             self._table = tf.lookup.experimental.MutableHashTable(
                 tf.string, tf.int64, default_value=-1, name="tfdist_shape_ids")
@@ -82,15 +83,41 @@ class ShapeIds:
         """
         return self._id(f"{trace}:", tensors)
 
-    def own_shape_id(self, instance_key: int, x):
+    def own_shape_id(self, instance_key: int, x, device: str):
         """The int32 id of `x`'s run-time shape among those collective `instance_key` met.
 
         For a collective whose shape changes while the step's inputs keep
-        theirs (`shape_varies`): one lookup per execution. Every device of its
-        group passes the same shape, so they find (or add) the same entry in
-        whatever order they come.
+        theirs (`shape_varies`): one lookup per execution, in a table of the
+        calling device (`device`). Not the shared table: its lookup depends on
+        `x`, so on the peers' earlier collectives, and TF chains the ops on one
+        table in trace order across replicas (replica 0's whole step is traced
+        before replica 1's), a cycle that hung. Every device of the group runs
+        the same instances with the same shapes in the same order, so each
+        device's table numbers them alike. Past `max_shapes` shapes the id
+        stays at the last one and TF fails the collective ("Shape mismatch in
+        the collective instance"): no assert, which TF would chain across
+        replicas too.
         """
-        return self._id(f"c{instance_key}:", [x])
+        with self._lock:
+            if device not in self._own_tables:
+                with tf.init_scope(), tf.device(device):
+                    self._own_tables[device] = tf.lookup.experimental.MutableHashTable(
+                        tf.string, tf.int64, default_value=-1, name="tfdist_own_shape_ids")
+            table = self._own_tables[device]
+        with tf.device(device):
+            dims = tf.strings.reduce_join(tf.strings.as_string(tf.shape(x, out_type=tf.int64)),
+                                          separator=",")
+            key = tf.strings.join([f"c{instance_key}:", dims])
+            count_key = tf.constant(f"c{instance_key}:#")
+
+            def add():
+                count = tf.maximum(table.lookup(count_key), 0)
+                added = table.insert(tf.stack([key, count_key]), tf.stack([count, count + 1]))
+                with tf.control_dependencies([added]):
+                    return tf.minimum(count, self.max_shapes - 1)
+
+            found = table.lookup(key)
+            return tf.cast(tf.cond(found >= 0, lambda: found, add), tf.int32)
 
     def _id(self, prefix, tensors):
         """Index, in order of first appearance under `prefix`, of `tensors`' shapes."""

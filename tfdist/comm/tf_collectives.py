@@ -153,7 +153,7 @@ class TFCollectiveBackend:
         group_key, instance_key = self._keys(replica, group)
         if shape_varies and not x.shape.is_fully_defined():
             instance_key = tf.constant(instance_key, tf.int32) + \
-                self._shape_ids.own_shape_id(instance_key, x)
+                self._shape_ids.own_shape_id(instance_key, x, self.devices[replica])
         elif self._shape_id is not None and not x.shape.is_fully_defined():
             instance_key = tf.constant(instance_key, tf.int32) + self._shape_id
         return dict(
