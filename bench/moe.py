@@ -17,11 +17,12 @@ device, 1x2 and 1x4 (`experts:model`; the dense FFNs Megatron-split with
 1 - dense / moe, against the dense FFN of the same FLOPs. On a 2-core CPU the
 virtual devices share two cores: ratios compare the layers, not scaling.
 
-    python bench/moe.py [--steps 20]
+    python bench/moe.py [--steps 10] [--repeats 3]
 """
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -67,22 +68,30 @@ def build(moe_args=None, d_ff=None):
     return keras.Model(inputs, x + y)
 
 
-def measure(mesh, layout, x, y, steps, **build_args):
+def prepare(mesh, layout, x, y, **build_args):
+    """A compiled, traced and warmed-up model under `MeshStrategy(mesh, layout)`."""
     strategy = MeshStrategy(mesh, layout)
     with strategy.scope():
         model = build(**build_args)
         model.compile(keras.optimizers.Adam(1e-3), "mse")
-    model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, verbose=0)  # trace, warm up
+    model.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0)  # trace, warm up
+    return model
+
+
+def time_fit(model, x, y, steps):
+    """Seconds per step of one epoch, and the fraction of tokens dropped in it."""
     start = time.perf_counter()
     history = model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
     seconds = (time.perf_counter() - start) / steps
-    dropped = history.history.get("moe_dropped", [0.0])[-1]
-    return seconds, dropped
+    return seconds, history.history.get("moe_dropped", [0.0])[-1]
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--meshes", default=",".join(MESHES), help="Comma-separated meshes.")
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one case, one process
     args = parser.parse_args()
     logging.set_verbosity(logging.WARNING)
     rng = np.random.default_rng(0)
@@ -90,19 +99,38 @@ def main():
     y = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
     tokens = BATCH * LENGTH
     print(f"MoE bench: E={EXPERTS}, d_model {D_MODEL}, expert d_ff {D_FF}, group {GROUP}; "
-          f"{tokens} tokens/step, {args.steps} steps; ratio = MoE / dense FFN of equal FLOPs")
+          f"{tokens} tokens/step; median of {args.repeats} epochs of {args.steps} steps; "
+          f"ratio = MoE / dense FFN of equal FLOPs")
     print(f"{'mesh':<16}{'case':<19}{'moe ms':>8}{'dense ms':>9}{'d_ff':>6}{'ratio':>7}"
           f"{'target':>7}{'routing':>8}{'dropped':>8}")
-    for mesh in MESHES:
-        dense = {}
-        for name, (moe_args, d_ff) in CASES.items():
-            if d_ff not in dense:
-                dense[d_ff], _ = measure(mesh, "d_ff:model", x, y, args.steps, d_ff=d_ff)
-            moe, dropped = measure(mesh, "experts:model", x, y, args.steps, moe_args=moe_args)
-            ratio = moe / dense[d_ff]
+    for mesh in args.meshes.split(","):
+        # One process per model (several models built and fitted in one process
+        # crashed TF here: a segfault in a compute thread).
+        median, dropped = {}, {}
+        keys = sorted({d_ff for _, d_ff in CASES.values()}) + list(CASES)
+        if args.only is not None:
+            key = args.only if args.only in CASES else int(args.only)
+            if key in CASES:
+                model = prepare(mesh, "experts:model", x, y, moe_args=CASES[key][0])
+            else:
+                model = prepare(mesh, "d_ff:model", x, y, d_ff=key)
+            runs = [time_fit(model, x, y, args.steps) for _ in range(args.repeats)]
+            print(f"RESULT {float(np.median([s for s, _ in runs]))!r} {runs[-1][1]!r}")
+            return
+        for key in keys:
+            out = subprocess.run(
+                [sys.executable, __file__, "--meshes", mesh, "--only", str(key), "--steps",
+                 str(args.steps), "--repeats", str(args.repeats)],
+                capture_output=True, text=True, check=True).stdout
+            seconds, fraction = out.split("RESULT ")[-1].split()
+            median[key], dropped[key] = float(seconds), float(fraction)
+        for name, (_, d_ff) in CASES.items():
+            moe, dense = median[name], median[d_ff]
+            ratio = moe / dense
             target = f"{TARGETS[name]:.2f}" if name in TARGETS else ""
-            print(f"{mesh:<16}{name:<19}{moe * 1e3:>8.1f}{dense[d_ff] * 1e3:>9.1f}{d_ff:>6}"
-                  f"{ratio:>7.2f}{target:>7}{1 - 1 / ratio:>8.0%}{dropped:>8.3f}", flush=True)
+            print(f"{mesh:<16}{name:<19}{moe * 1e3:>8.1f}{dense * 1e3:>9.1f}{d_ff:>6}"
+                  f"{ratio:>7.2f}{target:>7}{1 - 1 / ratio:>8.0%}{dropped[name]:>8.3f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -100,24 +100,10 @@ def top_k_gating(
     index_1 = tf.argmax(probs, axis=-1)  # [G, S]
     mask_1 = tf.one_hot(index_1, num_experts, dtype=probs.dtype)  # [G, S, E]
     gate_1 = tf.reduce_sum(probs * mask_1, axis=-1)  # [G, S]
-    if token_mask is None:
-        mean_over_tokens = tf.reduce_mean
-        mean_over_groups = tf.reduce_mean
-    else:
-        real = tf.cast(token_mask, probs.dtype)  # [G, S]
+    real = None if token_mask is None else tf.cast(token_mask, probs.dtype)  # [G, S]
+    if real is not None:
         mask_1 *= real[..., None]
-        in_group = tf.reduce_sum(real, axis=1)  # [G]
-
-        def mean_over_tokens(t, axis=None):  # t: [G, S] or [G, S, E]
-            m = real if t.shape.rank == 2 else real[..., None]
-            if axis == 1:
-                return tf.math.divide_no_nan(tf.reduce_sum(t * m, axis=1), in_group[:, None])
-            return tf.math.divide_no_nan(tf.reduce_sum(t * m, axis=axis), tf.reduce_sum(real))
-
-        def mean_over_groups(t):  # t: [G, E]; groups without real tokens left out
-            used = tf.cast(in_group > 0, t.dtype)[:, None]
-            return tf.math.divide_no_nan(tf.reduce_sum(t * used),
-                                         tf.reduce_sum(used) * float(t.shape[-1]))
+    mean_over_tokens, mean_over_groups = moe_routing.token_means(real)
 
     # GShard's auxiliary loss: mean over groups and experts of
     # (fraction of tokens whose top-1 is e) * (mean router probability of e), times E^2.

@@ -49,7 +49,7 @@ def bucket_size(n):
     return (n + step - 1) // step * step
 
 
-def _token_means(real):
+def token_means(real):
     """Means over a group's tokens and over groups, padding (`real` = 0) left out."""
     if real is None:
         return (lambda t, axis=None: tf.reduce_mean(t, axis=axis)), tf.reduce_mean
@@ -131,7 +131,7 @@ def token_choice(logits, top_k, capacity, second_expert_policy="all",
     probs = tf.nn.softmax(logits, axis=-1)  # [G, S, E]
     gates, experts = tf.math.top_k(probs, k=top_k)  # [G, S, k], ties to the lower index
     real = None if token_mask is None else tf.cast(token_mask, probs.dtype)
-    over_tokens, over_groups = _token_means(real)
+    over_tokens, over_groups = token_means(real)
 
     first = tf.one_hot(experts[..., 0], num_experts, dtype=probs.dtype)  # [G, S, E]
     if real is not None:
@@ -213,7 +213,7 @@ def expert_choice(logits, capacity, token_mask=None):
                              tf.stack([token, expert], axis=-1)) * taken
     slot_token = tf.where(taken > 0, token, G * S)
 
-    over_tokens, _ = _token_means(None if token_mask is None else real)
+    over_tokens, _ = token_means(None if token_mask is None else real)
     z_loss = over_tokens(tf.square(tf.reduce_logsumexp(logits, axis=-1)))
     tokens = tf.maximum(tf.reduce_sum(real), 1.0)
     times_taken = tf.math.unsorted_segment_sum(tf.reshape(taken, [-1]),
