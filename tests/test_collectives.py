@@ -165,9 +165,11 @@ def test_repeated_collectives_do_not_pile_up_threads(strategy):
 
     step()
     before = threads()
-    for _ in range(30):
+    for _ in range(100):
         step()
-    assert threads() - before < 8
+    # A pile-up adds one thread per execution (100); a loaded machine's pools may
+    # still grow by a few threads (8 seen once at 30 executions with three workers).
+    assert threads() - before < 40
 
 
 def test_an_all_to_all_whose_shape_varies_under_fixed_inputs_pairs_by_its_own_shape(strategy):

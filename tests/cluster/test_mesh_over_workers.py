@@ -41,11 +41,15 @@ def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh, cas
     assert f"] averaging {mesh}: period 1 SGD vs synchronous SGD" in result.stdout
 
 
-def test_launcher_ends_the_others_with_the_first_failure():
+def test_launcher_ends_the_others_with_the_first_failure(tmp_path):
+    # Worker 1 fails only once worker 0 is up (a loaded machine may start them far apart).
+    flag = tmp_path / "worker0"
     script = ("import json, os, sys, time\n"
               "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
               "print('started', flush=True)\n"
-              "sys.exit(3) if i == 1 else time.sleep(120)\n")
+              f"if i == 0: open({str(flag)!r}, 'w').close(); time.sleep(120)\n"
+              f"while not os.path.exists({str(flag)!r}): time.sleep(0.05)\n"
+              "sys.exit(3)\n")
     start = time.monotonic()
     result = launch("--num_workers", "2", "--", sys.executable, "-c", script, timeout=60)
     assert result.returncode == 3
