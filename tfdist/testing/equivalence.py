@@ -121,6 +121,68 @@ def _global_gradients(strategy, model, loss_fn, x, y):
     return loss, added, result
 
 
+@dataclasses.dataclass
+class ReferenceRun:
+    """What the single-device reference computed (reusable across meshes)."""
+
+    initial_weights: list
+    outputs: object  # forward on the first batch, or None
+    loss: float
+    added_losses: float
+    gradients: list
+    weights: list
+    optimizer_variables: list
+
+
+def _build_reference(build_model, reference, seed):
+    keras.utils.set_random_seed(seed)
+    return reference_model(build_model()) if reference is None else reference()
+
+
+def run_reference(
+    build_model: Callable[[], keras.Model],
+    x,
+    y,
+    *,
+    loss,
+    optimizer: Callable[[], keras.optimizers.Optimizer],
+    batch_size: int,
+    steps: int = 20,
+    seed: int = 0,
+    compare_outputs: bool = True,
+    reference: Callable[[], keras.Model] = None,
+    run_eagerly: bool = False,
+) -> ReferenceRun:
+    """Runs the single-device reference alone (arguments as `compare_with_reference`'s,
+    `loss` being the reference's).
+
+    A test comparing several meshes with one reference computes it once and
+    passes it as `compare_with_reference(..., reference_run=...)`. `run_eagerly`
+    trains it eagerly: faster for references built of many small ops (a
+    per-token loop traces for longer than it runs).
+    """
+    model = _build_reference(build_model, reference, seed)
+    initial = model.get_weights()
+    x1, y1 = _rows(x, batch_size), _rows(y, batch_size)
+    outputs = model(x1, training=False) if compare_outputs else None
+    with tf.GradientTape() as tape:
+        predictions = model(x1, training=True)
+        added = tf.add_n(model.losses) if model.losses else tf.constant(0.0)
+        value = loss(y1, predictions) + added
+    grads = tape.gradient(value, model.trainable_variables)
+    model.compile(optimizer=optimizer(), loss=loss, run_eagerly=run_eagerly)
+    n = steps * batch_size
+    model.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False,
+              verbose=0)
+    return ReferenceRun(
+        initial_weights=initial,
+        outputs=None if outputs is None else tf.nest.map_structure(np.asarray, outputs),
+        loss=float(value.numpy()), added_losses=float(added.numpy()),
+        gradients=[np.asarray(tf.convert_to_tensor(g)) for g in grads],
+        weights=model.get_weights(),
+        optimizer_variables=[v.numpy() for v in model.optimizer.variables])
+
+
 def compare_with_reference(
     build_model: Callable[[], keras.Model],
     strategy,
@@ -135,6 +197,7 @@ def compare_with_reference(
     reference_loss=None,
     compare_outputs: bool = True,
     reference: Callable[[], keras.Model] = None,
+    reference_run: ReferenceRun = None,
 ) -> EquivalenceReport:
     """Trains `build_model()` on `strategy` and its reference on one device.
 
@@ -158,52 +221,48 @@ def compare_with_reference(
             by its plain Keras twin (`reference_model`), which needs a
             functional model. A subclassed model is its own reference on one
             device, where every collective is the identity.
+        reference_run: the reference's results from `run_reference` with the
+            same arguments, computed once for several strategies.
     """
-    keras.utils.set_random_seed(seed)
-    reference = reference_model(build_model()) if reference is None else reference()
-    with strategy.scope():
-        model = build_model()
-    model.set_weights(reference.get_weights())
     reference_loss = loss if reference_loss is None else reference_loss
     for value in (loss, reference_loss):
         if not isinstance(value, keras.losses.Loss):
             raise TypeError(f"losses must be keras.losses.Loss objects; received {value!r}.")
-    loss_fn = loss
+    if reference_run is None:
+        reference_run = run_reference(
+            build_model, x, y, loss=reference_loss, optimizer=optimizer,
+            batch_size=batch_size, steps=steps, seed=seed, compare_outputs=compare_outputs,
+            reference=reference)
+    ref = reference_run
+    # The same random state as the reference's own build (layers' seed generators).
+    _build_reference(build_model, reference, seed)
+    with strategy.scope():
+        model = build_model()
+    model.set_weights(ref.initial_weights)
 
     forward = 0.0
     x1, y1 = _rows(x, batch_size), _rows(y, batch_size)
     if compare_outputs:
-        forward = max_rel_diff(
-            model.predict(x1, batch_size=batch_size, verbose=0),
-            reference.predict(x1, batch_size=batch_size, verbose=0),
-        )
-    loss_value, added, grads = _global_gradients(strategy, model, loss_fn, x1, y1)
-    with tf.GradientTape() as tape:
-        predictions = reference(x1, training=True)
-        ref_added = tf.add_n(reference.losses) if reference.losses else tf.constant(0.0)
-        ref_loss = reference_loss(y1, predictions) + ref_added
-    ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
-    _same_length("gradients", grads, ref_grads)
-    gradients = max(max_rel_diff(g, tf.convert_to_tensor(r)) for g, r in zip(grads, ref_grads))
+        outputs = model.predict(x1, batch_size=batch_size, verbose=0)
+        forward = max(max_rel_diff(a, b) for a, b in zip(tf.nest.flatten(outputs),
+                                                         tf.nest.flatten(ref.outputs)))
+    loss_value, added, grads = _global_gradients(strategy, model, loss, x1, y1)
+    _same_length("gradients", grads, ref.gradients)
+    gradients = max(max_rel_diff(g, r) for g, r in zip(grads, ref.gradients))
 
     with strategy.scope():
         model.compile(optimizer=optimizer(), loss=loss)
-    reference.compile(optimizer=optimizer(), loss=reference_loss)
     n = steps * batch_size
     model.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-    reference.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False,
-                  verbose=0)
-    _same_length("weights", model.get_weights(), reference.get_weights())
-    _same_length("optimizer variables", model.optimizer.variables, reference.optimizer.variables)
-    weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(), reference.get_weights()))
-    slots = max(
-        max_rel_diff(a.numpy(), b.numpy())
-        for a, b in zip(model.optimizer.variables, reference.optimizer.variables)
-    )
+    _same_length("weights", model.get_weights(), ref.weights)
+    _same_length("optimizer variables", model.optimizer.variables, ref.optimizer_variables)
+    weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(), ref.weights))
+    slots = max(max_rel_diff(a.numpy(), b)
+                for a, b in zip(model.optimizer.variables, ref.optimizer_variables))
     return EquivalenceReport(
         forward=forward,
-        loss=max_rel_diff(loss_value, ref_loss.numpy()),
-        added_losses=max_rel_diff(added, ref_added.numpy()),
+        loss=max_rel_diff(loss_value, ref.loss),
+        added_losses=max_rel_diff(added, ref.added_losses),
         gradients=gradients,
         weights=weights,
         optimizer_variables=slots,
