@@ -162,6 +162,14 @@ def run_reference(
     per-token loop traces for longer than it runs).
     """
     model = _build_reference(build_model, reference, seed)
+    return _train_reference(model, x, y, loss=loss, optimizer=optimizer,
+                            batch_size=batch_size, steps=steps,
+                            compare_outputs=compare_outputs, run_eagerly=run_eagerly)
+
+
+def _train_reference(model, x, y, *, loss, optimizer, batch_size, steps, compare_outputs,
+                     run_eagerly=False) -> ReferenceRun:
+    """`run_reference` on an already built reference `model`."""
     initial = model.get_weights()
     x1, y1 = _rows(x, batch_size), _rows(y, batch_size)
     outputs = model(x1, training=False) if compare_outputs else None
@@ -228,24 +236,24 @@ def compare_with_reference(
     for value in (loss, reference_loss):
         if not isinstance(value, keras.losses.Loss):
             raise TypeError(f"losses must be keras.losses.Loss objects; received {value!r}.")
-    if reference_run is None:
-        reference_run = run_reference(
-            build_model, x, y, loss=reference_loss, optimizer=optimizer,
-            batch_size=batch_size, steps=steps, seed=seed, compare_outputs=compare_outputs,
-            reference=reference)
-    ref = reference_run
-    # The same random state as the reference's own build (layers' seed generators).
-    _build_reference(build_model, reference, seed)
+    # Built even when its run is given: the model is built from the same random
+    # state (layers' seed generators) either way.
+    reference_built = _build_reference(build_model, reference, seed)
     with strategy.scope():
         model = build_model()
+    ref = reference_run
+    if ref is None:
+        ref = _train_reference(reference_built, x, y, loss=reference_loss, optimizer=optimizer,
+                               batch_size=batch_size, steps=steps,
+                               compare_outputs=compare_outputs)
     model.set_weights(ref.initial_weights)
 
     forward = 0.0
     x1, y1 = _rows(x, batch_size), _rows(y, batch_size)
     if compare_outputs:
-        outputs = model.predict(x1, batch_size=batch_size, verbose=0)
-        forward = max(max_rel_diff(a, b) for a, b in zip(tf.nest.flatten(outputs),
-                                                         tf.nest.flatten(ref.outputs)))
+        outputs = tf.nest.flatten(model.predict(x1, batch_size=batch_size, verbose=0))
+        _same_length("outputs", outputs, tf.nest.flatten(ref.outputs))
+        forward = max(max_rel_diff(a, b) for a, b in zip(outputs, tf.nest.flatten(ref.outputs)))
     loss_value, added, grads = _global_gradients(strategy, model, loss, x1, y1)
     _same_length("gradients", grads, ref.gradients)
     gradients = max(max_rel_diff(g, r) for g, r in zip(grads, ref.gradients))
