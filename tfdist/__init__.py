@@ -52,6 +52,8 @@ _EXPORTS = {
     "Transformer": "tfdist.models",
     "TransformerConfig": "tfdist.models",
     "build_token_mlp": "tfdist.models",
+    # activation recomputation
+    "remat": "tfdist.recompute",
 }
 
 # `from tfdist import *` gives everything but HorovodStrategy (it needs a Horovod build).

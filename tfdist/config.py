@@ -155,6 +155,7 @@ class TransformerConfig:
     moe_routing: str = "token_choice"  # or "expert_choice" (encoder-only: not causal)
     moe_dropless: bool = False
     moe_shared_d_ff: int = 0
+    remat: bool = False  # recompute each block in the backward pass (`tfdist.remat`)
 
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
@@ -189,6 +190,10 @@ class TransformerConfig:
         if not isinstance(self.moe_shared_d_ff, int) or self.moe_shared_d_ff < 0:
             raise ValueError(f"moe_shared_d_ff must be an integer >= 0; received "
                              f"{self.moe_shared_d_ff!r}.")
+        for name in ("share_embeddings", "moe_dropless", "remat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; received "
+                                 f"{name}={getattr(self, name)!r}.")
         return self
 
 

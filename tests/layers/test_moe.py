@@ -1,7 +1,5 @@
 """MoE: hand-computed routing, equivalence with a per-token loop, sharding, learning."""
 
-import functools
-
 import keras
 import numpy as np
 import pytest
@@ -286,17 +284,18 @@ EQUIVALENCE = dict(loss=keras.losses.MeanSquaredError(),
                    optimizer=lambda: keras.optimizers.Adam(0.01), batch_size=BATCH, steps=20)
 
 
-@functools.cache
-def _per_token_run():
-    """The per-token loop's results, once per test process: its trace is most of
-    a case's time (eagerly, 20 steps take about half as long)."""
-    return run_reference(_moe_model, *_data(20), run_eagerly=True, **EQUIVALENCE)
+@pytest.fixture(scope="session")
+def per_token_run(computed_once):
+    """The per-token loop's results, once per test run (all workers): it takes about
+    as long as the meshes' runs (eagerly; its trace would take twice as long)."""
+    return computed_once("moe_per_token_run", lambda: run_reference(
+        _moe_model, *_data(20), run_eagerly=True, **EQUIVALENCE))
 
 
 @pytest.mark.parametrize("mesh, layout", EQUIVALENCE_CASES)
-def test_moe_matches_per_token_loop(mesh, layout):
+def test_moe_matches_per_token_loop(mesh, layout, per_token_run):
     report = assert_equivalent(_moe_model, MeshStrategy(mesh, layout), *_data(20),
-                               reference_run=_per_token_run(), rtol=1e-5, **EQUIVALENCE)
+                               reference_run=per_token_run, rtol=1e-5, **EQUIVALENCE)
     print(f"MoE {list(MODES)} {mesh} {layout}: {report}")
 
 

@@ -27,6 +27,8 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
   Embedding and ReversibleEmbedding under a `LayoutMap`.
 - `keras_hub_moe_loss`: keras-hub's MoE load-balancing loss over every replica.
 - `keras_h5_slices`: Keras weight files read slice by slice into sharded variables.
+- `keras_remat`: recomputation with the forward pass's random numbers, variable
+  updates, losses and call context (`keras.remat`, `keras.RematScope` on TF).
 """
 
 
@@ -36,11 +38,11 @@ def install_keras_hooks() -> None:
     Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
     every tfdist mesh strategy calls this when it is created.
     """
-    from tfdist.internal import (keras_h5_slices, keras_jit, keras_lamb, keras_rows,
-                                 loss_scale, optimizer_apply, optimizer_gradients)
+    from tfdist.internal import (keras_h5_slices, keras_jit, keras_lamb, keras_remat,
+                                 keras_rows, loss_scale, optimizer_apply, optimizer_gradients)
 
     for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale,
-                 keras_rows, keras_h5_slices):
+                 keras_rows, keras_h5_slices, keras_remat):
         hook.install()
 
 

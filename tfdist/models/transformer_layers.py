@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import collectives, recompute
 from tfdist.layers import MoE, ShardedDense
 from tfdist.layers.attention import ShardedAttention
 from tfdist.config import TransformerConfig  # noqa: F401  (re-exported)
@@ -69,7 +69,12 @@ def _feed_forward(config: TransformerConfig, index: int, name: str, causal: bool
 
 
 class _Block(keras.layers.Layer):
-    """Shared parts of encoder and decoder blocks (pre-layer-norm residual sublayers)."""
+    """Shared parts of encoder and decoder blocks (pre-layer-norm residual sublayers).
+
+    With `config.remat` a block keeps only its inputs for the backward pass and
+    recomputes the rest there (`tfdist.remat`: the same dropout masks, MoE
+    losses with their gradients, collectives run again).
+    """
 
     def __init__(self, config: TransformerConfig, index: int, cross: bool, **kwargs):
         super().__init__(**kwargs)
@@ -93,6 +98,9 @@ class _Block(keras.layers.Layer):
             if layer is not None:
                 layer.build(input_shape)
 
+    def _run(self, forward, *args, **kwargs):
+        return (recompute.remat(forward) if self.config.remat else forward)(*args, **kwargs)
+
     def _ffn(self, x, training):
         return x + self.drop(self.ffn(self.ffn_norm(x), training=training), training=training)
 
@@ -105,6 +113,9 @@ class EncoderBlock(_Block):
         super().__init__(config, index, cross=False, **kwargs)
 
     def call(self, x, source_mask=None, training=None):
+        return self._run(self._forward, x, source_mask=source_mask, training=training)
+
+    def _forward(self, x, source_mask=None, training=None):
         h = self.self_attention(self.self_norm(x), key_mask=source_mask, training=training)
         return self._ffn(x + self.drop(h, training=training), training)
 
@@ -114,6 +125,9 @@ class DecoderBlock(_Block):
         super().__init__(config, index, cross=True, **kwargs)
 
     def call(self, x, memory, memory_mask=None, training=None):
+        return self._run(self._forward, x, memory, memory_mask=memory_mask, training=training)
+
+    def _forward(self, x, memory, memory_mask=None, training=None):
         h = self.self_attention(self.self_norm(x), causal=True, training=training)
         x = x + self.drop(h, training=training)
         h = self.cross_attention(self.cross_norm(x), memory, key_mask=memory_mask,
