@@ -11,7 +11,7 @@ import numpy as np
 from tfdist.layers import ShardedSoftmax, ShardedSparseCategoricalCrossentropy
 from tfdist.models import build_token_mlp, make_copy_task
 from tfdist.testing.equivalence import assert_equivalent
-from tfdist.testing.reference import SmoothedSparseCrossentropy
+from tfdist.testing.reference import SmoothedSparseCrossentropy, reference_model
 
 
 STEPS = 6
@@ -28,6 +28,21 @@ def token_mlp(strategy):
         build_token_mlp, strategy, x, y,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=adam, batch_size=16, steps=STEPS, rtol=1e-5)
+
+
+def remat(strategy):
+    """The token model with every layer recomputed (built under `keras.RematScope`): the
+    collectives run again in the backward pass; equals one device keeping activations."""
+    def build():
+        with keras.RematScope(mode="full"):
+            return build_token_mlp()
+
+    x, y = make_copy_task(STEPS * 16)
+    return assert_equivalent(
+        build, strategy, x, y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=adam, batch_size=16, steps=STEPS, rtol=1e-5,
+        reference=lambda: reference_model(build_token_mlp()))
 
 
 def plain_embedding(strategy):

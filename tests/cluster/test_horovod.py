@@ -126,7 +126,8 @@ def mesh_run(np_, mesh, models, timeout=400):
      "(8, 16)"),   # one shard per rank; partial batches padded
     (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options,partial_batches",
      "(8, 32)"),  # pure data parallel; partial batches counted, not padded
-    (4, "data:2;model:2", "token_mlp", "(8, 16)"),             # process sets per axis
+    # remat: the token MLP with every layer recomputed (collectives in the backward pass).
+    (4, "data:2;model:2", "remat", "(8, 16)"),             # process sets per axis
 ])
 def test_sharded_layers_on_a_mesh_over_ranks_match_one_device(np_, mesh, models, local):
     stdout = mesh_run(np_, mesh, models)

@@ -27,7 +27,7 @@ def launch(*args, timeout=300):
     # sharded_options and fit_options over processes: tests/cluster/test_horovod.py's
     # mesh jobs (the suite's time budget).
     (2, 1, "data:1;model:2", "keras_options,mixed_bfloat16,partial_batches"),
-    (2, 2, "data:2;model:2", ""),
+    (2, 2, "data:2;model:2", "remat"),
 ])
 def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh, cases):
     result = launch("--num_workers", str(workers), "--devices_per_worker", str(devices), "--",

@@ -212,13 +212,24 @@ def test_a_model_built_under_remat_scope_trains_like_one_without(tmp_path):
         def __exit__(self, *exc):
             return False
 
-    weights = []
+    weights, calls = [], []
+
+    def spy(f):
+        calls[-1] += 1
+        return keras_remat.remat(f)
+
     for scope in (Off(), keras.RematScope(mode="full")):
         strategy = MeshStrategy("data:2")
         with strategy.scope():
             model = build(scope)
-        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        calls.append(0)
+        tf_core.remat = spy
+        try:
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        finally:
+            keras_remat.install()
         weights.append(model.get_weights())
+    assert calls[0] == 0 and calls[1] >= 4  # the scoped model recomputes each layer
     assert _worst(weights[1], weights[0]) < 1e-6
 
 
