@@ -6,7 +6,12 @@ process, Adam, a small batch (so activations are negligible). Each case is a
 fresh subprocess: one `fit` step traces and warms up, then the peak RSS is
 reset (`/proc/self/clear_refs`) and `--steps` more steps run; reported is the
 peak (`VmHWM`) above the RSS at the reset (weights, slots and the traced
-program excluded), the same run for both cases:
+program excluded), the same run for both cases. The subprocesses run with
+`TF_ENABLE_ONEDNN_OPTS=0` and `MALLOC_MMAP_THRESHOLD_=65536` so that the RSS
+follows the live tensors: with oneDNN on, TF's CPU allocator keeps freed
+tensors in its pool (the warm-up step would already hold the peak), and glibc
+keeps large freed blocks once its dynamic mmap threshold has grown (before
+this, the bench measured mostly the pools: 276-314 MiB either way).
 
 - `reshard_after_forward=True` (default): each layer's whole kernel lives only
   for its forward matmul and is gathered again for its backward pass;
@@ -82,7 +87,8 @@ def main():
         out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--reshard={reshard}",
                               f"--layers={args.layers}", f"--d={args.d}",
                               f"--steps={args.steps}"], capture_output=True, text=True,
-                             check=True)
+                             check=True, env=dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0",
+                                                  MALLOC_MMAP_THRESHOLD_="65536"))
         result = json.loads(out.stdout.strip().splitlines()[-1])
         rows.setdefault(reshard, []).append(result["peak_mib"] - result["before_mib"])
     for reshard, label in ((1, "gathered again for backward"), (0, "gathered weight kept")):

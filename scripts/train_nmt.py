@@ -55,6 +55,9 @@ def define_flags():
     flags.DEFINE_integer("moe_shared_d_ff", model.moe_shared_d_ff,
                          "Hidden size of the MoE's shared (always-on) experts; 0: none.")
     flags.DEFINE_float("dropout", model.dropout, "Dropout rate.")
+    flags.DEFINE_enum("remat", model.remat, list(TransformerConfig.REMAT),
+                      "Recompute in the backward pass: each block (full) or the "
+                      "attention cores (selective).")
     flags.DEFINE_enum("positions", model.positions, ["sinusoidal", "learned"], "Positions.")
     flags.DEFINE_boolean("share_embeddings", model.share_embeddings,
                          "One embedding for source and target.")
@@ -85,7 +88,7 @@ def config_from_flags() -> NMTConfig:
         share_embeddings=FLAGS.share_embeddings, moe_experts=FLAGS.moe_experts,
         moe_top_k=FLAGS.moe_top_k, moe_group_size=FLAGS.moe_group_size,
         moe_routing=FLAGS.moe_routing, moe_dropless=FLAGS.moe_dropless,
-        moe_shared_d_ff=FLAGS.moe_shared_d_ff)
+        moe_shared_d_ff=FLAGS.moe_shared_d_ff, remat=FLAGS.remat)
     return NMTConfig(
         mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), model=model, corpus=FLAGS.corpus,
         train_src=FLAGS.train_src, train_tgt=FLAGS.train_tgt, test_src=FLAGS.test_src,

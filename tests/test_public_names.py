@@ -93,8 +93,8 @@ def test_horovod_strategy_without_horovod_says_how_to_build_it():
     assert all("make horovod" in line and "scripts/install_horovod.sh" in line for line in lines)
 
 
+@pytest.mark.horovod
 def test_horovod_strategy_with_horovod_is_the_strategy_class():
-    pytest.importorskip("horovod.tensorflow", reason="Horovod not built: make horovod")
     from tfdist.strategies import HorovodStrategy
     from tfdist.strategies.horovod import HorovodStrategy as defined
 

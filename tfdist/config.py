@@ -136,6 +136,8 @@ class XCConfig:
 class TransformerConfig:
     """Sizes and options of a `Transformer` (plain data; `validate()` checks it)."""
 
+    REMAT = ("none", "full", "selective")
+
     vocab_size: int
     d_model: int = 256
     num_heads: int = 4
@@ -155,7 +157,9 @@ class TransformerConfig:
     moe_routing: str = "token_choice"  # or "expert_choice" (encoder-only: not causal)
     moe_dropless: bool = False
     moe_shared_d_ff: int = 0
-    remat: bool = False  # recompute each block in the backward pass (`tfdist.remat`)
+    # Recomputation in the backward pass (`tfdist.remat`), Megatron's granularities:
+    # "full" recomputes each block from its input, "selective" the attention core.
+    remat: str = "none"
 
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
@@ -190,7 +194,10 @@ class TransformerConfig:
         if not isinstance(self.moe_shared_d_ff, int) or self.moe_shared_d_ff < 0:
             raise ValueError(f"moe_shared_d_ff must be an integer >= 0; received "
                              f"{self.moe_shared_d_ff!r}.")
-        for name in ("share_embeddings", "moe_dropless", "remat"):
+        if self.remat not in self.REMAT:
+            raise ValueError(f"remat must be one of {list(self.REMAT)}; received "
+                             f"remat={self.remat!r}.")
+        for name in ("share_embeddings", "moe_dropless"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; received "
                                  f"{name}={getattr(self, name)!r}.")

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("horovod.tensorflow", reason="Horovod not built: scripts/install_horovod.sh")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "tests", "cluster", "hvd_job.py")
-pytestmark = pytest.mark.slow
+# horovod: tests/conftest.py runs these last, once the Horovod build is there.
+pytestmark = [pytest.mark.slow, pytest.mark.horovod]
 
 
 def horovodrun(*args, timeout=240, pinned=False):

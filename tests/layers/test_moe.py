@@ -273,11 +273,13 @@ def _data(steps):
     return x, y
 
 
+# The expert FFN with its hidden units split (d_ff:model; the routing does not see the
+# split, so one mode suffices): two MoE layers on 2x2 in
+# tests/strategies/test_partial_batches.py, against the no-drop reference.
 EQUIVALENCE_CASES = [("data:1;model:1", "experts:model"),
                      ("data:1;model:2", "experts:model"),
                      ("data:2;model:2", "batch:data;experts:model"),
-                     ("data:1;model:4", "experts:model"),
-                     ("data:2;model:2", "batch:data;d_ff:model")]  # hidden units split
+                     ("data:1;model:4", "experts:model")]
 
 
 EQUIVALENCE = dict(loss=keras.losses.MeanSquaredError(),

@@ -206,7 +206,7 @@ def test_sequence_crossentropy_under_other_strategies_matches_one_device(strateg
     print(f"transformer under {strategy_name}: {report}")
 
 
-# -- recomputed blocks (TransformerConfig(remat=True)) ---------------------------
+# -- recomputation (TransformerConfig(remat="full" | "selective")) -------------
 # On a 1x2 mesh (tensor-parallel attention, FFN, vocabulary and experts over
 # `model`, so collectives run again inside every recomputed block), with dropout
 # on and an MoE block (whose balancing loss must keep its gradient): loss, added
@@ -218,7 +218,7 @@ REMAT_LAYOUT = LAYOUT + ";experts:model"
 REMAT_STEPS = 5
 
 
-def _forward_ops(model, x):
+def _matmul_ops(model, x):
     """How many einsum/matmul ops one training step's graph holds (forward + backward)."""
 
     @tf.function
@@ -232,12 +232,12 @@ def _forward_ops(model, x):
     return sum(op.type in ("Einsum", "MatMul", "BatchMatMulV2") for op in graph.get_operations())
 
 
-def test_recomputed_blocks_train_like_kept_activations_with_collectives_moe_and_dropout():
+def test_recomputation_trains_like_kept_activations_with_collectives_moe_and_dropout():
     config = _config(dropout=0.2, num_encoder_layers=2, moe_experts=2, moe_group_size=8)
     x, y = _batches(REMAT_STEPS)
     loss = SequenceCrossentropy(V, label_smoothing=0.1)
-    runs = []
-    for remat in (False, True):
+    runs = {}
+    for remat in ("none", "full", "selective"):
         strategy = MeshStrategy(REMAT_MESH, REMAT_LAYOUT)
         keras.utils.set_random_seed(0)
         with strategy.scope():
@@ -246,29 +246,30 @@ def test_recomputed_blocks_train_like_kept_activations_with_collectives_moe_and_
         first = tuple(a[:BATCH] for a in x), y[:BATCH]
         grads = _global_gradients(strategy, model, loss, *first)
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        runs.append((grads, [v.numpy() for v in model.weights],
-                     [v.numpy() for v in model.optimizer.variables],
-                     [v.numpy() for v in model.variables if "seed" in v.path]))
-    (grads, weights, slots, seeds), (grads_r, weights_r, slots_r, seeds_r) = runs
-    assert seeds and all(np.array_equal(a, b) for a, b in zip(seeds_r, seeds))
+        runs[remat] = (grads, [v.numpy() for v in model.weights],
+                       [v.numpy() for v in model.optimizer.variables],
+                       [v.numpy() for v in model.variables if "seed" in v.path])
+    grads, weights, slots, seeds = runs.pop("none")
     assert grads[1] > 0  # the MoE balancing losses are there
-    assert abs(grads_r[0] - grads[0]) <= 1e-6 * abs(grads[0])
-    assert abs(grads_r[1] - grads[1]) <= 1e-6 * abs(grads[1])
-    worst_grad = max(max_rel_diff(a, b) for a, b in zip(grads_r[2], grads[2]))
-    worst_weight = max(max_rel_diff(a, b) for a, b in zip(weights_r, weights))
-    worst_slot = max(max_rel_diff(a, b) for a, b in zip(slots_r, slots))
-    print(f"remat vs kept on {REMAT_MESH}: gradients {worst_grad:.1e}, "
-          f"weights {worst_weight:.1e}, optimizer {worst_slot:.1e}")
-    assert worst_grad < 1e-5 and worst_weight < 1e-5 and worst_slot < 1e-5
+    for remat, (grads_r, weights_r, slots_r, seeds_r) in runs.items():
+        assert seeds and all(np.array_equal(a, b) for a, b in zip(seeds_r, seeds))
+        assert abs(grads_r[0] - grads[0]) <= 1e-6 * abs(grads[0])
+        assert abs(grads_r[1] - grads[1]) <= 1e-6 * abs(grads[1])
+        worst_grad = max(max_rel_diff(a, b) for a, b in zip(grads_r[2], grads[2]))
+        worst_weight = max(max_rel_diff(a, b) for a, b in zip(weights_r, weights))
+        worst_slot = max(max_rel_diff(a, b) for a, b in zip(slots_r, slots))
+        print(f"remat={remat} vs kept on {REMAT_MESH}: gradients {worst_grad:.1e}, "
+              f"weights {worst_weight:.1e}, optimizer {worst_slot:.1e}")
+        assert worst_grad < 1e-5 and worst_weight < 1e-5 and worst_slot < 1e-5
 
 
 def test_the_recomputation_is_in_the_graph():
     config = _config(num_encoder_layers=1, num_decoder_layers=1)
     x, _ = _batches(1)
-    counts = []
-    for remat in (False, True):
+    counts = {}
+    for remat in ("none", "full", "selective"):
         keras.utils.set_random_seed(0)
-        counts.append(_forward_ops(Transformer(dataclasses.replace(config, remat=remat)), x))
-    kept, recomputed = counts
-    # Recomputing every block runs its projections once more in the backward pass.
-    assert recomputed > kept
+        counts[remat] = _matmul_ops(Transformer(dataclasses.replace(config, remat=remat)), x)
+    # Full: every block's projections run once more in the backward pass; selective:
+    # only the attention cores' two einsums (3 attentions here).
+    assert counts["full"] > counts["selective"] == counts["none"] + 3 * 2, counts

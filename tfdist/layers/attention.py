@@ -19,7 +19,7 @@ maximum length and written at one position per step (`write_cache`).
 import keras
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import collectives, recompute
 from tfdist.layers.weights import (
     add_sharded_weight,
     check_mesh,
@@ -57,6 +57,10 @@ class ShardedAttention(keras.layers.Layer):
         dropout: dropout rate on the attention probabilities (training only).
         kernel_initializer: Keras initializer for the four kernels.
         seed: dropout seed.
+        remat_core: recompute the attention core (logits, softmax, dropout,
+            the probabilities times the values) in the backward pass instead of
+            keeping its `[b, H, Lq, Lk]` tensors: Megatron's "selective"
+            recomputation (`tfdist.remat`, same dropout masks).
 
     Call arguments:
         query: `[b, Lq, d_model]`.
@@ -76,7 +80,7 @@ class ShardedAttention(keras.layers.Layer):
     """
 
     def __init__(self, num_heads, d_kv, dropout=0.0, kernel_initializer="glorot_uniform",
-                 seed=None, **kwargs):
+                 seed=None, remat_core=False, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.d_kv = check_positive_int("d_kv", d_kv)
@@ -86,6 +90,10 @@ class ShardedAttention(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed)
+        if not isinstance(remat_core, bool):
+            raise ValueError(f"`remat_core` must be True or False. Received: "
+                             f"remat_core={remat_core!r}")
+        self.remat_core = remat_core
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
 
@@ -153,7 +161,8 @@ class ShardedAttention(keras.layers.Layer):
             causal_part = causal_bias(tf.shape(query_all)[1])
             bias = causal_part if bias is None else bias + causal_part
         k, v = self.project_kv(memory_all)
-        context = self.attend_context(self.project_query(query_all), k, v, bias, training)
+        core = recompute.remat(self.attend_context) if self.remat_core else self.attend_context
+        context = core(self.project_query(query_all), k, v, bias, training)
         # Partial sums over the local heads [b*M, Lq, d] -> [b, Lq, d]
         return collectives.reduce_scatter_partial_sums(
             _project_out, [context, tf.convert_to_tensor(self.output_kernel)], axis, dim=0)
@@ -165,5 +174,5 @@ class ShardedAttention(keras.layers.Layer):
         config = super().get_config()
         config.update(num_heads=self.num_heads, d_kv=self.d_kv, dropout=self.dropout,
                       kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
-                      seed=self.seed)
+                      seed=self.seed, remat_core=self.remat_core)
         return config

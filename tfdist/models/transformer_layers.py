@@ -71,9 +71,11 @@ def _feed_forward(config: TransformerConfig, index: int, name: str, causal: bool
 class _Block(keras.layers.Layer):
     """Shared parts of encoder and decoder blocks (pre-layer-norm residual sublayers).
 
-    With `config.remat` a block keeps only its inputs for the backward pass and
-    recomputes the rest there (`tfdist.remat`: the same dropout masks, MoE
-    losses with their gradients, collectives run again).
+    With `config.remat="full"` a block keeps only its inputs for the backward
+    pass and recomputes the rest there (`tfdist.remat`: the same dropout masks,
+    MoE losses with their gradients, collectives run again); with "selective"
+    only the attention cores are recomputed (their `[b, H, L, L]` tensors are
+    most of the activations at long lengths, a small part of the FLOPs).
     """
 
     def __init__(self, config: TransformerConfig, index: int, cross: bool, **kwargs):
@@ -81,13 +83,14 @@ class _Block(keras.layers.Layer):
         self.config = config
         c = config
         self.self_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="self_norm")
+        core = c.remat == "selective"
         self.self_attention = ShardedAttention(c.num_heads, c.d_kv, dropout=c.dropout,
-                                               name="self_attention")
+                                               remat_core=core, name="self_attention")
         self.cross_norm = self.cross_attention = None
         if cross:
             self.cross_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="cross_norm")
             self.cross_attention = ShardedAttention(c.num_heads, c.d_kv, dropout=c.dropout,
-                                                    name="cross_attention")
+                                                    remat_core=core, name="cross_attention")
         self.ffn_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="ffn_norm")
         self.ffn = _feed_forward(c, index, "ffn", causal=cross)  # decoder blocks: causal
         self.drop = keras.layers.Dropout(c.dropout)
@@ -99,7 +102,8 @@ class _Block(keras.layers.Layer):
                 layer.build(input_shape)
 
     def _run(self, forward, *args, **kwargs):
-        return (recompute.remat(forward) if self.config.remat else forward)(*args, **kwargs)
+        full = self.config.remat == "full"
+        return (recompute.remat(forward) if full else forward)(*args, **kwargs)
 
     def _ffn(self, x, training):
         return x + self.drop(self.ffn(self.ffn_norm(x), training=training), training=training)
