@@ -36,7 +36,7 @@ test: $(STAMP)
 	(bash scripts/install_horovod.sh $(PY) > $(HOROVOD_BUILD).log 2>&1; \
 	 echo $$? > $(HOROVOD_BUILD).status.tmp; mv $(HOROVOD_BUILD).status.tmp $(HOROVOD_BUILD).status) &
 	TFDIST_HOROVOD_BUILD_STATUS=$(abspath $(HOROVOD_BUILD)).status TF_CPP_MIN_LOG_LEVEL=3 \
-	    $(PY) -m pytest -q -p no:cacheprovider -n 3 --dist worksteal
+	    $(PY) -m pytest -q -p no:cacheprovider -n 4 --dist worksteal
 	cat $(HOROVOD_BUILD).log
 
 bench: $(STAMP)

@@ -20,7 +20,7 @@ MESH = ["--mesh_shape=data:2;model:2",
 def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tmp_path):
     model_dir = tmp_path / "run"
     result = run_script("train_nmt.py", *SMALL, *MESH, "--moe_experts=4", "--moe_group_size=32",
-                        "--steps=6", "--eval_every=3", "--remat=full", f"--model_dir={model_dir}")
+                        "--steps=6", "--eval_every=3", f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MoE experts 4" in result.stdout and "(4 replicas)" in result.stdout
     on_device, total = map(lambda n: int(n.replace(",", "")), re.search(
@@ -33,7 +33,6 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
                      "spm.vocab"], files
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model"]["moe_experts"] == 4 and config["model"]["vocab_size"] == 128
-    assert config["model"]["remat"] == "full"  # blocks recomputed (tests/models/test_transformer.py)
     assert "--steps=6" in (model_dir / "flags.txt").read_text()
     assert os.listdir(model_dir / "backup") == ["epoch-1.npz"]
     events = [f for _, _, fs in os.walk(model_dir / "logs") for f in fs if "tfevents" in f]
@@ -62,6 +61,7 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
     (["--train_src=/nonexistent/a.txt", "--train_tgt=/nonexistent/b.txt",
       "--test_tsv=/nonexistent/t.tsv"], "--train_src='/nonexistent/a.txt' does not exist"),
     (["--label_smoothing=1.5"], "label_smoothing must be in [0, 1)"),
+    (["--remat=blocks"], "flag --remat=blocks: value should be one of <none|full|selective>"),
     (["--mesh_shape=data:2;model"], "Malformed mesh shape pair 'model'"),
 ])
 def test_bad_flags_give_one_clear_error(run_script, flags, fragment):
