@@ -33,8 +33,11 @@ if "--steps_forever" in sys.argv:
     with strategy.scope():
         model = build_token_mlp()
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    print("training", flush=True)
-    model.fit(x, y, batch_size=16, epochs=100, verbose=0)
+    # "training" once the first step has run: the trace is done, steps are under way
+    # (under load the trace alone took over 90 s, and a kill during it is not the case).
+    started = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch == 0 and print("training", flush=True))
+    model.fit(x, y, batch_size=16, epochs=100, verbose=0, callbacks=[started])
     sys.exit(0)
 
 cases = sys.argv[2] if len(sys.argv) > 2 else "token_mlp,xc_head,plain_embedding"
