@@ -31,17 +31,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def _status_mib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
+from tfdist.testing.memory import RSS_FOLLOWS_TENSORS  # noqa: E402
 
 
 def job(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from tfdist.testing.memory import reset_peak_rss, status_mib
     import tfdist
 
     tfdist.testing.split_cpu(2)
@@ -62,12 +57,10 @@ def job(args):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, args.d)).astype("float32")
     model.fit(x, x, batch_size=8, epochs=1, verbose=0)  # trace, warm up
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _status_mib("VmRSS")
+    before = reset_peak_rss()
     model.fit(x, x, batch_size=8, epochs=args.steps, verbose=0)
     print(json.dumps({"reshard": args.reshard, "before_mib": before,
-                      "peak_mib": _status_mib("VmHWM")}))
+                      "peak_mib": status_mib("VmHWM")}))
 
 
 def main():
@@ -87,8 +80,7 @@ def main():
         out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--reshard={reshard}",
                               f"--layers={args.layers}", f"--d={args.d}",
                               f"--steps={args.steps}"], capture_output=True, text=True,
-                             check=True, env=dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0",
-                                                  MALLOC_MMAP_THRESHOLD_="65536"))
+                             check=True, env=dict(os.environ, **RSS_FOLLOWS_TENSORS))
         result = json.loads(out.stdout.strip().splitlines()[-1])
         rows.setdefault(reshard, []).append(result["peak_mib"] - result["before_mib"])
     for reshard, label in ((1, "gathered again for backward"), (0, "gathered weight kept")):

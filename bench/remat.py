@@ -39,19 +39,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from tfdist.testing.memory import RSS_FOLLOWS_TENSORS  # noqa: E402
 VOCAB = 1000
 MODES = ("none", "full", "selective")
 
 
-def _status_mib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
 def job(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from tfdist.testing.memory import reset_peak_rss, status_mib
     import keras
     import numpy as np
 
@@ -69,15 +64,13 @@ def job(args):
     source, target = (rng.integers(3, VOCAB, size=shape).astype("int32") for _ in range(2))
     decoder_input = np.concatenate([np.ones((args.batch, 1), "int32"), target[:, :-1]], 1)
     model.train_on_batch((source, decoder_input), target)  # trace, warm up
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _status_mib("VmRSS")
+    before = reset_peak_rss()
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         model.train_on_batch((source, decoder_input), target)
         times.append(time.perf_counter() - start)
-    print(json.dumps({"peak_mib": _status_mib("VmHWM") - before,
+    print(json.dumps({"peak_mib": status_mib("VmHWM") - before,
                       "step_s": statistics.median(times)}))
 
 
@@ -105,8 +98,7 @@ def main():
             command = [sys.executable, os.path.abspath(__file__), f"--remat={mode}",
                        f"--length={length}", f"--batch={args.batch}", f"--steps={args.steps}"]
             command += ["--xla"] if args.xla else []
-            memory_env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0",
-                              MALLOC_MMAP_THRESHOLD_="65536")
+            memory_env = dict(os.environ, **RSS_FOLLOWS_TENSORS)
             for env, key in ((memory_env, "peak_mib"), (dict(os.environ), "step_s")):
                 out = subprocess.run(command, capture_output=True, text=True, check=True,
                                      env=env)

@@ -15,3 +15,24 @@ def device_bytes(model, device_index: int = 0) -> int:
         component = components[min(device_index, len(components) - 1)]
         total += component.shape.num_elements() * component.dtype.size
     return total
+
+
+# Environment for a subprocess whose RSS should follow its live tensors: with
+# oneDNN on, TF's CPU allocator keeps freed tensors in its pool, and glibc keeps
+# large freed blocks once its dynamic mmap threshold has grown (to 32 MiB).
+RSS_FOLLOWS_TENSORS = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def status_mib(field: str) -> float:
+    """This process's `/proc/self/status` entry `field` (`VmRSS`, `VmHWM`) in MiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> float:
+    """Resets the peak RSS (`VmHWM`) to the current RSS and returns that RSS in MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_mib("VmRSS")
