@@ -24,7 +24,6 @@ NUM_DEVICES = 8
 split_cpu(NUM_DEVICES)
 
 
-
 @pytest.fixture(scope="session")
 def computed_once(tmp_path_factory):
     """`computed_once(key, compute)`: `compute()`'s picklable result, computed by one
