@@ -22,9 +22,11 @@ The rules, in one place:
   `backup/epoch-<n>.npz` (`Backups`: after epoch n, or
   `epoch-<n>-batch-<b>.npz` after b batches of epoch n; newest kept);
   `latest(model_dir)` finds the newest of them.
-- **Formats** sit behind `Format` (`write(arrays, path)`, `read(path)`);
-  `NPZ` is the global format. A sharded format (each process writing its own
-  shards) plugs in here without touching the callers.
+- **Formats** sit behind `Format`. `NPZ` is the global format, for small
+  models: every process gathers, the chief writes one file. `SHARDED`
+  (`tfdist.sharded_checkpoint`) is for models bigger than one host: each
+  process writes only the shards it holds, nothing is gathered, and loading
+  reads only each device's slice, onto any mesh or a plain Keras model.
 
 Example:
 
@@ -41,6 +43,7 @@ from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
 import numpy as np
 
 from tfdist import runtime
+from tfdist.sharded_checkpoint import SHARDED, ShardedFormat
 
 _OPTIMIZER = "optimizer/"
 _RNG = "rng/"
@@ -63,15 +66,23 @@ class StrategyState(Protocol):
 
 
 class Format(Protocol):
-    """How a checkpoint's `{path: array}` mapping is stored."""
+    """How a checkpoint's `{path: array}` mapping is stored.
+
+    `NpzFormat` stores gathered global arrays (`write`, `read`);
+    `ShardedFormat` writes and reads per-device slices itself (`save`, `load`)
+    and offers the global arrays on demand (`read`, `tensors`).
+    """
 
     suffix: str
 
-    def write(self, arrays: Dict[str, np.ndarray], path: str) -> None:
-        """Writes `arrays` to `path` atomically."""
-
     def read(self, path: str) -> Dict[str, np.ndarray]:
-        """Reads every array of the checkpoint at `path`."""
+        """Reads every global array of the checkpoint at `path`."""
+
+    def is_complete(self, path: str) -> bool:
+        """Whether `path` holds a complete checkpoint (an interrupted save never does)."""
+
+    def delete(self, path: str) -> None:
+        """Removes the checkpoint at `path`."""
 
 
 class NpzFormat:
@@ -99,7 +110,23 @@ class NpzFormat:
             return {name: data[name] for name in data.files}
 
 
+    def is_complete(self, path):
+        return os.path.isfile(path)  # written atomically
+
+    def delete(self, path):
+        os.unlink(path)
+
+
 NPZ = NpzFormat()
+FORMATS = {"npz": NPZ, "sharded": SHARDED}
+"""`--checkpoint_format` values of the scripts."""
+
+
+def format_named(name: str) -> Format:
+    """The format called `name` ("npz" or "sharded"); a clear error otherwise."""
+    if name not in FORMATS:
+        raise ValueError(f"Unknown checkpoint format {name!r}; expected one of {sorted(FORMATS)}.")
+    return FORMATS[name]
 
 
 def _seed_states(model):
@@ -153,6 +180,12 @@ def save(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> bo
     Returns:
         Whether this process wrote the file.
     """
+    if isinstance(fmt, ShardedFormat):
+        strategy = getattr(model, "distribute_strategy", None)
+        extra = {}
+        if with_optimizer and isinstance(strategy, StrategyState):
+            extra = {_STRATEGY + k: np.asarray(v) for k, v in strategy.checkpoint_state().items()}
+        return fmt.save(_named_variables(model, with_optimizer), extra, path, strategy)
     arrays = global_arrays(model, with_optimizer)
     if not runtime.is_chief(model.distribute_strategy):
         return False
@@ -171,9 +204,10 @@ def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> No
         ValueError: a variable is missing from the file, or has another shape;
             the message lists the names.
     """
-    if not os.path.exists(path):
+    if not fmt.is_complete(path):
         raise FileNotFoundError(f"No checkpoint at {path!r}.")
-    stored = fmt.read(path)
+    sharded = isinstance(fmt, ShardedFormat)
+    stored = fmt.tensors(path) if sharded else fmt.read(path)
     named = _named_variables(model, with_optimizer)
     if not any(name.startswith(_RNG) for name in stored):
         # Weights saved without random-generator states (a plain model, an older
@@ -188,16 +222,23 @@ def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> No
     wrong = [
         f"{name}: model {tuple(v.shape)} vs checkpoint {stored[name].shape}"
         for name, v in named.items()
-        if tuple(v.shape) != stored[name].shape
+        if tuple(v.shape) != _shape(stored, name)
     ]
     if wrong:
         raise ValueError(f"Checkpoint {path!r} has other shapes: {wrong}.")
-    for name, v in named.items():
-        v.assign(stored[name])
     strategy = getattr(model, "distribute_strategy", None)
+    if sharded:
+        fmt.load(named, path, strategy)
+    else:
+        for name, v in named.items():
+            v.assign(stored[name])
     if with_optimizer and isinstance(strategy, StrategyState):
         strategy.restore_checkpoint_state(
-            {k[len(_STRATEGY):]: v for k, v in stored.items() if k.startswith(_STRATEGY)})
+            {k[len(_STRATEGY):]: stored[k] for k in stored if k.startswith(_STRATEGY)})
+
+
+def _shape(stored, name):
+    return stored.shape(name) if hasattr(stored, "shape") else stored[name].shape
 
 
 class Backups:
@@ -231,6 +272,8 @@ class Backups:
             if not (name.startswith(BACKUP_PREFIX) and name.endswith(self.fmt.suffix)):
                 continue
             epoch, _, batch = name[len(BACKUP_PREFIX):-len(self.fmt.suffix)].partition(_BATCH)
+            if not self.fmt.is_complete(os.path.join(self.directory, name)):
+                continue
             if epoch.isdigit() and (batch.isdigit() or (not batch and _BATCH not in name)):
                 position = (int(epoch), int(batch)) if batch else (int(epoch) + 1, 0)
                 found[position] = os.path.join(self.directory, name)
@@ -259,13 +302,13 @@ class Backups:
         if save(model, path, fmt=self.fmt):
             for old in self.positions().values():
                 if old != path:
-                    os.unlink(old)
+                    self.fmt.delete(old)
 
     def delete_all(self, strategy=None) -> None:
         """Removes every backup (on the chief)."""
         if runtime.is_chief(strategy):
             for path in self.positions().values():
-                os.unlink(path)
+                self.fmt.delete(path)
 
 
 def final_path(model_dir: str, fmt: Format = NPZ) -> str:
@@ -275,7 +318,7 @@ def final_path(model_dir: str, fmt: Format = NPZ) -> str:
 
 def latest(model_dir: str, fmt: Format = NPZ) -> Optional[str]:
     """The final checkpoint of `model_dir`, else its newest backup, else None."""
-    if os.path.exists(final_path(model_dir, fmt)):
+    if fmt.is_complete(final_path(model_dir, fmt)):
         return final_path(model_dir, fmt)
     backups = Backups(os.path.join(model_dir, BACKUP_DIR), fmt)
     position = backups.latest()

@@ -51,6 +51,19 @@ class MeshRuntime(abc.ABC):
         """
         return False
 
+    @property
+    def process_index(self) -> int:
+        """This process's index among those that run Python (a single controller: 0)."""
+        return 0
+
+    @property
+    def process_count(self) -> int:
+        """How many processes run Python for this mesh (a single controller: 1)."""
+        return 1
+
+    def barrier(self, name: str) -> None:
+        """Waits for every process that runs Python (a single controller: returns)."""
+
 
 def current_runtime(strategy=None) -> Optional[MeshRuntime]:
     """The `MeshRuntime` of `strategy` (default: the strategy in scope), or None."""
@@ -89,3 +102,22 @@ def is_chief(strategy=None) -> bool:
     if "chief" in jobs:
         return resolver.task_type == "chief"
     return resolver.task_type == "worker" and resolver.task_id == 0
+
+
+def process_index(strategy=None) -> int:
+    """This process's index among the processes that run Python for the job (0 if one)."""
+    mesh_runtime = current_runtime(strategy)
+    return 0 if mesh_runtime is None else mesh_runtime.process_index
+
+
+def process_count(strategy=None) -> int:
+    """How many processes run Python for the job (1 for a single controller)."""
+    mesh_runtime = current_runtime(strategy)
+    return 1 if mesh_runtime is None else mesh_runtime.process_count
+
+
+def barrier(strategy=None, name: str = "tfdist_barrier") -> None:
+    """Returns when every process of the job has called it (nothing to wait for with one)."""
+    mesh_runtime = current_runtime(strategy)
+    if mesh_runtime is not None:
+        mesh_runtime.barrier(name)

@@ -152,6 +152,18 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     def size(self) -> int:
         return self.hvd.size()
 
+    @property
+    def process_index(self) -> int:  # MeshRuntime
+        return self.hvd.rank()
+
+    @property
+    def process_count(self) -> int:  # MeshRuntime
+        return self.hvd.size()
+
+    def barrier(self, name: str) -> None:  # MeshRuntime
+        """Returns when every rank has called it (one tiny all-reduce)."""
+        self.hvd.allreduce(tf.zeros([], tf.float32), name=f"{name}_{self.extended._next()}")
+
     def gather_local_results(self, local):
         """Every rank's list `local` of numpy arrays (same shapes), concatenated in rank order.
 
