@@ -38,6 +38,15 @@ def define_cluster_flags() -> None:
                          "Logical CPU devices per task (0: TFDIST_DEVICES_PER_WORKER or 1).")
 
 
+def define_checkpoint_flags() -> None:
+    """--checkpoint_format."""
+    flags.DEFINE_enum("checkpoint_format", "npz", ["npz", "sharded"],
+                      "npz: global tensors, every process gathers and the chief writes one "
+                      "file (small models); sharded: each process writes only its own shards "
+                      "and nothing is gathered (models bigger than one host). Both load onto "
+                      "any mesh.")
+
+
 def cluster_from_flags():
     """The `ClusterConfig` of --worker_hosts or TF_CONFIG, or None on one machine."""
     from tfdist.cluster import ClusterConfig

@@ -29,7 +29,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
-from flag_utils import define_cluster_flags, strategy_from_flags, validate_mesh_flags  # noqa: E402
+from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
+                        strategy_from_flags, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -77,6 +78,7 @@ def define_flags():
     flags.DEFINE_string("model_dir", None, "Config, checkpoints, tokenizer, TensorBoard logs.")
     validate_mesh_flags()
     define_cluster_flags()
+    define_checkpoint_flags()
 
 
 def config_from_flags() -> NMTConfig:
@@ -198,8 +200,10 @@ def main(argv):
           f"{device_bytes(model):,} bytes on device 0 of {4 * model.count_params():,} "
           f"(Adam's two slots follow the same layout)", flush=True)
 
+    fmt = checkpoint.format_named(FLAGS.checkpoint_format)
     backup = BackupAndRestore(os.path.join(model_dir, checkpoint.BACKUP_DIR),
-                              delete_checkpoint=False)  # translate.py reads the newest
+                              delete_checkpoint=False,  # translate.py reads the newest
+                              checkpoint_format=FLAGS.checkpoint_format)
     done = backup.latest_epoch() + 1  # resumed: continue the data where it stopped
     tokenize = "char" if config.corpus == "numbers-de" and not (config.train_src or
                                                                config.train_tsv) else "13a"
@@ -213,7 +217,7 @@ def main(argv):
               steps_per_epoch=config.eval_every, verbose=2 if not sys.stdout.isatty() else 1,
               callbacks=callbacks)
     bleu, _ = evaluation.evaluate() if not evaluation.history else (evaluation.history[-1], None)
-    checkpoint.save(model, checkpoint.final_path(model_dir), with_optimizer=False)
+    checkpoint.save(model, checkpoint.final_path(model_dir, fmt), with_optimizer=False, fmt=fmt)
     if chief:
         print(f"final held-out BLEU {bleu:.1f} ({tokenize}; {len(evaluation.pairs)} sentences, beam "
               f"{config.beam_size}); config, tokenizer, checkpoint in {model_dir}; TensorBoard: "

@@ -21,7 +21,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, XCConfig  # noqa: E402
-from flag_utils import define_cluster_flags, strategy_from_flags, validate_mesh_flags  # noqa: E402
+from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
+                        strategy_from_flags, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -46,6 +47,7 @@ def define_flags():
     flags.DEFINE_string("model_dir", None, "Where to write config, checkpoint and logs.")
     validate_mesh_flags()
     define_cluster_flags()
+    define_checkpoint_flags()
 
 
 
@@ -127,7 +129,8 @@ def main(argv):
     print(f"held-out top-1 {result['top1_accuracy']:.3f}, top-5 {result['top5_accuracy']:.3f} "
           f"(loss {result['loss']:.3f}, {len(x_test)} examples)")
     if FLAGS.model_dir:
-        checkpoint.save(model, checkpoint.final_path(FLAGS.model_dir))  # chief writes
+        fmt = checkpoint.format_named(FLAGS.checkpoint_format)  # npz: the chief writes
+        checkpoint.save(model, checkpoint.final_path(FLAGS.model_dir, fmt), fmt=fmt)
     if FLAGS.model_dir and chief:
         print(f"config, checkpoint and TensorBoard logs in {FLAGS.model_dir}")
     return 0

@@ -50,9 +50,9 @@ def checkpoint_path(model_dir: str, explicit: str = "") -> str:
     found = checkpoint.latest(model_dir)
     if found is None:
         raise FileNotFoundError(
-            f"No checkpoint in {model_dir!r}: neither {checkpoint.FINAL}.npz nor "
-            f"{checkpoint.BACKUP_DIR}/{checkpoint.BACKUP_PREFIX}N.npz (did train_nmt.py run "
-            f"with this --model_dir?).")
+            f"No checkpoint in {model_dir!r}: neither {checkpoint.FINAL}.npz / .shards nor "
+            f"{checkpoint.BACKUP_DIR}/{checkpoint.BACKUP_PREFIX}N.npz / .shards (did "
+            f"train_nmt.py run with this --model_dir?).")
     return found
 
 

@@ -57,16 +57,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             reaches them, with `steps_per_execution`).
         delete_checkpoint: remove the backups when `fit` completes (Keras's
             default).
+        checkpoint_format: "npz" (global tensors: every process gathers, the
+            chief writes) or "sharded" (each process writes its own shards,
+            nothing is gathered; `tfdist.sharded_checkpoint`). Either resumes
+            on another mesh.
     """
 
-    def __init__(self, backup_dir: str, save_freq="epoch", delete_checkpoint: bool = True):
+    def __init__(self, backup_dir: str, save_freq="epoch", delete_checkpoint: bool = True,
+                 checkpoint_format: str = "npz"):
         super().__init__()
+        fmt = checkpoint.format_named(checkpoint_format)
         if save_freq != "epoch" and (isinstance(save_freq, bool)
                                      or not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive integer (batches); "
                              f"received save_freq={save_freq!r}.")
         self.backup_dir = backup_dir
-        self.backups = checkpoint.Backups(backup_dir)
+        self.backups = checkpoint.Backups(backup_dir, fmt)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.restored_epoch = None  # the last completed epoch of the backup resumed from
@@ -91,7 +97,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         path = self.backups.positions()[position]
-        checkpoint.load(self.model, path)
+        checkpoint.load(self.model, path, fmt=self.backups.fmt)
         epoch, batch = position
         set_initial_epoch(self.model, epoch)
         skip_batches(self.model, batch)

@@ -122,6 +122,11 @@ FORMATS = {"npz": NPZ, "sharded": SHARDED}
 """`--checkpoint_format` values of the scripts."""
 
 
+def format_of(path: str) -> Format:
+    """The format a checkpoint path names by its suffix (`.shards`: sharded, else npz)."""
+    return SHARDED if path.rstrip("/").endswith(SHARDED.suffix) else NPZ
+
+
 def format_named(name: str) -> Format:
     """The format called `name` ("npz" or "sharded"); a clear error otherwise."""
     if name not in FORMATS:
@@ -166,7 +171,7 @@ def global_arrays(model, with_optimizer: bool = True) -> dict:
     return arrays
 
 
-def save(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> bool:
+def save(model, path: str, with_optimizer: bool = True, fmt: Optional[Format] = None) -> bool:
     """Saves `model`'s global weights (and optimizer state): every process gathers, the chief writes.
 
     Call it on every process of a job (it may be a collective).
@@ -175,11 +180,13 @@ def save(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> bo
         model: a built Keras model.
         path: the file to write (atomically).
         with_optimizer: also save the optimizer's variables (slots, iterations).
-        fmt: the storage format.
+        fmt: the storage format (default: by the suffix of `path`, `format_of`).
+            `SHARDED` writes each process's own shards and gathers nothing.
 
     Returns:
         Whether this process wrote the file.
     """
+    fmt = fmt or format_of(path)
     if isinstance(fmt, ShardedFormat):
         strategy = getattr(model, "distribute_strategy", None)
         extra = {}
@@ -193,7 +200,7 @@ def save(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> bo
     return True
 
 
-def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> None:
+def load(model, path: str, with_optimizer: bool = True, fmt: Optional[Format] = None) -> None:
     """Assigns every weight (and optimizer variable) of `model` from `path`.
 
     Build the optimizer first (`model.optimizer.build(model.trainable_variables)`)
@@ -204,6 +211,7 @@ def load(model, path: str, with_optimizer: bool = True, fmt: Format = NPZ) -> No
         ValueError: a variable is missing from the file, or has another shape;
             the message lists the names.
     """
+    fmt = fmt or format_of(path)
     if not fmt.is_complete(path):
         raise FileNotFoundError(f"No checkpoint at {path!r}.")
     sharded = isinstance(fmt, ShardedFormat)
@@ -316,11 +324,18 @@ def final_path(model_dir: str, fmt: Format = NPZ) -> str:
     return os.path.join(model_dir, FINAL + fmt.suffix)
 
 
-def latest(model_dir: str, fmt: Format = NPZ) -> Optional[str]:
-    """The final checkpoint of `model_dir`, else its newest backup, else None."""
-    if fmt.is_complete(final_path(model_dir, fmt)):
-        return final_path(model_dir, fmt)
-    backups = Backups(os.path.join(model_dir, BACKUP_DIR), fmt)
-    position = backups.latest()
-    return None if position is None else backups.positions()[position]
+def latest(model_dir: str, fmt: Optional[Format] = None) -> Optional[str]:
+    """The final checkpoint of `model_dir`, else its newest backup, else None.
+
+    Without `fmt`, in any format (a final checkpoint first, then the newest backup).
+    """
+    formats = [fmt] if fmt is not None else list(FORMATS.values())
+    for f in formats:
+        if f.is_complete(final_path(model_dir, f)):
+            return final_path(model_dir, f)
+    found = {}
+    for f in formats:
+        backups = Backups(os.path.join(model_dir, BACKUP_DIR), f)
+        found.update({position: path for position, path in backups.positions().items()})
+    return found[max(found)] if found else None
 

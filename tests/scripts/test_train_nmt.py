@@ -20,7 +20,8 @@ MESH = ["--mesh_shape=data:2;model:2",
 def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tmp_path):
     model_dir = tmp_path / "run"
     result = run_script("train_nmt.py", *SMALL, *MESH, "--moe_experts=4", "--moe_group_size=32",
-                        "--steps=6", "--eval_every=3", f"--model_dir={model_dir}")
+                        "--steps=6", "--eval_every=3", "--checkpoint_format=sharded",
+                        f"--model_dir={model_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MoE experts 4" in result.stdout and "(4 replicas)" in result.stdout
     on_device, total = map(lambda n: int(n.replace(",", "")), re.search(
@@ -29,12 +30,13 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
     assert re.findall(r"epoch (\d): held-out BLEU", result.stdout) == ["1", "2"]  # every 3 steps
     assert "final held-out BLEU" in result.stdout and "tensorboard --logdir" in result.stdout
     files = sorted(os.listdir(model_dir))
-    assert files == ["backup", "config.json", "flags.txt", "logs", "model.npz", "spm.model",
+    assert files == ["backup", "config.json", "flags.txt", "logs", "model.shards", "spm.model",
                      "spm.vocab"], files
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model"]["moe_experts"] == 4 and config["model"]["vocab_size"] == 128
     assert "--steps=6" in (model_dir / "flags.txt").read_text()
-    assert os.listdir(model_dir / "backup") == ["epoch-1.npz"]
+    assert os.listdir(model_dir / "backup") == ["epoch-1.shards"]  # each process's shards
+    assert os.listdir(model_dir / "backup" / "epoch-1.shards") == ["gen-1"]
     events = [f for _, _, fs in os.walk(model_dir / "logs") for f in fs if "tfevents" in f]
     assert events
 
@@ -43,7 +45,7 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "Epoch 1/2" not in again.stdout
 
-    # translate.py loads the 2x2-mesh checkpoint onto another mesh (1x2). (Decoding on one
+    # translate.py loads the 2x2-mesh sharded checkpoint onto another mesh (1x2). (Decoding on one
     # device with XLA: tests/models/test_decoding.py; the suite's time budget.)
     sources = tmp_path / "src.txt"
     sources.write_text("twenty-one\nfour hundred and twelve\n")
@@ -63,6 +65,7 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
     (["--label_smoothing=1.5"], "label_smoothing must be in [0, 1)"),
     (["--remat=blocks"], "flag --remat=blocks: value should be one of <none|full|selective>"),
     (["--mesh_shape=data:2;model"], "Malformed mesh shape pair 'model'"),
+    (["--checkpoint_format=zip"], "value should be one of <npz|sharded>"),
 ])
 def test_bad_flags_give_one_clear_error(run_script, flags, fragment):
     result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:1;model:2", "--steps=2",
