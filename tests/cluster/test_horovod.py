@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -110,10 +111,15 @@ MESH_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_mesh_job.py")
 
 def mesh_run(np_, mesh, models, timeout=400):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30")
-    result = subprocess.run([runner, "-np", str(np_), "--gloo", "-H", f"localhost:{np_}",
-                             sys.executable, MESH_JOB, mesh, models], capture_output=True,
-                            text=True, timeout=timeout, cwd=ROOT, env=env)
+    shared = tempfile.mkdtemp(prefix="tfdist_hvd_")  # the ranks' shared checkpoint directory
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30",
+               TFDIST_TEST_BACKUP_DIR=shared)
+    try:
+        result = subprocess.run([runner, "-np", str(np_), "--gloo", "-H", f"localhost:{np_}",
+                                 sys.executable, MESH_JOB, mesh, models], capture_output=True,
+                                text=True, timeout=timeout, cwd=ROOT, env=env)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stdout
 
@@ -141,6 +147,11 @@ def test_sharded_layers_on_a_mesh_over_ranks_match_one_device(np_, mesh, models,
     match = re.search(rf"rank 0 checkpoint {re.escape(mesh)}: files \['epoch-1.npz'\] diff (\S+)",
                       stdout)
     assert match and float(match[1]) == 0.0, stdout[-2000:]  # global checkpoint by rank 0
+    match = re.search(rf"rank 0 sharded {re.escape(mesh)}: wrote True files (\[.*?\]) diff (\S+)",
+                      stdout)
+    assert match and float(match[2]) == 0.0, stdout[-2000:]  # weights and Adam state exact
+    # One data file per rank (its own shards; rank 0's also the replicated tensors), merged.
+    assert f"'ckpt.data-00000-of-0000{np_}'" in match[1], match[1]
 
 
 def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
