@@ -10,8 +10,8 @@ slice. The bundle's index says which global slice each data file holds.
 How a save runs (`ShardedFormat.save`, on every process of the job):
 1. Every process writes, for each host of its devices, one part
    (`.staging-<g>/part-<process>-<host>`) with the distinct slices owned by
-   that host's devices (a slice is owned by the lowest mesh device holding it;
-   replicated tensors by the chief). The save op runs on the host that holds
+   that host's devices (each distinct slice by one of the devices holding it,
+   `_owned_slices`; replicated tensors by the chief). The save op runs on the host that holds
    the tensors, so a worker of a mesh over workers writes its own shards and
    the controller receives none of them.
 2. After a barrier of all processes, the chief merges the parts' indices
@@ -92,13 +92,18 @@ def _components(variable, strategy):
 
 
 def _owned_slices(layout):
-    """`{device index: clipped slices}` for the lowest device holding each distinct slice."""
-    owners = {}
+    """`{device index: clipped slices}`: for each distinct slice, the one device that writes it.
+
+    The k-th distinct slice is written by the k-th of the devices holding it
+    (cyclically), so the replicas along the unsplit axes (on other hosts, in a
+    mesh over workers) share the writing.
+    """
+    holders = {}
     for d in range(layout.mesh_shape.size):
         key = tuple((s.start, s.stop) for s in layout.shard_slices(d))
-        owners.setdefault(key, d)
-    return {d: _clip(tuple(slice(a, b) for a, b in key), layout.shape)
-            for key, d in owners.items()}
+        holders.setdefault(key, []).append(d)
+    return {devices[k % len(devices)]: _clip(tuple(slice(a, b) for a, b in key), layout.shape)
+            for k, (key, devices) in enumerate(holders.items())}
 
 
 class _Part:
@@ -230,10 +235,8 @@ class ShardedFormat:
         for part_name, part in parts.items():
             part.add(f"{_PARTS_KEY}{part_name}", "", tf.constant(count, tf.int64))
             device = next((t.device for t in part.tensors if t.device), None)
-            with tf.device(_host_cpu(device) if device else None):
-                tf.raw_ops.SaveV2(prefix=os.path.join(staging, part_name),
-                                  tensor_names=part.names, shape_and_slices=part.specs,
-                                  tensors=part.tensors)
+            _write_part(_host_cpu(device) if device else None, os.path.join(staging, part_name),
+                        part)
         runtime.barrier(strategy, "tfdist_sharded_save")
         wrote = False
         if runtime.is_chief(strategy):
@@ -291,6 +294,24 @@ class ShardedFormat:
                         value = tf.pad(value, [[0, s.stop - s.start - (c.stop - c.start)]
                                                for s, c in zip(slices, clipped)])
                     component.assign(value)
+
+
+def _write_part(device, prefix, part) -> None:
+    """Runs `SaveV2` for `part` on `device` and returns once the files exist.
+
+    An eager op on a remote worker's device may still be running when it
+    returns; a function's result is not ready before its stateful ops ran.
+    """
+
+    @tf.function(autograph=False)
+    def write(tensors):
+        with tf.device(device):
+            saved = tf.raw_ops.SaveV2(prefix=prefix, tensor_names=part.names,
+                                      shape_and_slices=part.specs, tensors=tensors)
+            with tf.control_dependencies([saved]):  # else the function prunes it
+                return tf.constant(0)
+
+    write(list(part.tensors)).numpy()
 
 
 def _fsync_dir(path: str) -> None:
