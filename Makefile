@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/keras_models.py
 	$(PY) bench/fsdp_memory.py
 	$(PY) bench/remat.py
+	$(PY) bench/checkpoint_memory.py
 
 # Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).
 horovod: $(STAMP)

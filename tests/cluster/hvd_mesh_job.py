@@ -94,21 +94,16 @@ if rank == 0:
     plain = build_token_mlp()  # outside the strategy: a plain Keras model
     checkpoint.load(plain, os.path.join(backup, "epoch-1.npz"), with_optimizer=False)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(plain.get_weights(), weights))
-    print(f"rank 0 checkpoint {mesh}: files {sorted(os.listdir(backup))} diff {diff:.1e}",
-          flush=True)
-# Sharded checkpoints: each rank writes its own shards (nothing gathered), rank 0
+    backups = sorted(f for f in os.listdir(backup) if f.endswith(".npz"))
+    print(f"rank 0 checkpoint {mesh}: files {backups} diff {diff:.1e}", flush=True)
+# Sharded checkpoints, beside the backups in the shared directory (other ranks may be
+# writing there while rank 0 lists the backups above): each rank writes its own shards, rank 0
 # merges; a plain Keras model on rank 0 reads weights and optimizer state from it.
-optimizer_values = [v.numpy() for v in model.optimizer.variables]  # all ranks: gathers
+state = job_cases.training_state(model)  # all ranks: gathers
 sharded = os.path.join(backup, "final.shards")
 wrote = checkpoint.save(model, sharded)
 if rank == 0:
-    plain = build_token_mlp()
-    plain.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    plain.optimizer.build(plain.trainable_variables)
-    checkpoint.load(plain, sharded)
-    diff = max(float(np.abs(a - b).max()) for a, b in
-               zip(plain.get_weights() + [v.numpy() for v in plain.optimizer.variables],
-                   weights + optimizer_values))
+    diff = job_cases.plain_token_mlp_diff(sharded, state)
     parts = sorted(os.listdir(os.path.join(sharded, "gen-1")))
     print(f"rank 0 sharded {mesh}: wrote {wrote} files {parts} diff {diff:.1e}", flush=True)
 print(f"rank {rank} shard {mesh}: ffn1_in kernel global {tuple(kernel.shape)} "

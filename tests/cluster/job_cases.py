@@ -228,13 +228,23 @@ def sharded_checkpoint(strategy):
     hosts = {d.split("/device")[0] for d in strategy.extended.worker_devices}
     assert files == ["ckpt.data-%05d-of-%05d" % (k, len(hosts)) for k in range(len(hosts))] \
         + ["ckpt.index"], files  # one part per worker host, each written there
+    diff = plain_token_mlp_diff(path, training_state(model))
+    assert diff == 0.0, diff
+    return (f"weights after {STEPS} steps and Adam state saved by {len(hosts)} worker hosts, "
+            f"read by a plain model: diff {diff}")
+
+
+def training_state(model):
+    """Weights and optimizer variables as numpy arrays (a global read: every rank calls it)."""
+    return model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+
+
+def plain_token_mlp_diff(path, state) -> float:
+    """The largest difference between `state` and a plain token MLP + Adam loaded from `path`."""
+    from tfdist import checkpoint
+
     plain = build_token_mlp()
     plain.compile(adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     plain.optimizer.build(plain.trainable_variables)
     checkpoint.load(plain, path)
-    diff = max(float(np.abs(a - b).max()) for a, b in
-               zip(plain.get_weights() + [v.numpy() for v in plain.optimizer.variables],
-                   model.get_weights() + [v.numpy() for v in model.optimizer.variables]))
-    assert diff == 0.0, diff
-    return (f"weights after {STEPS} steps and Adam state saved by {len(hosts)} worker hosts, "
-            f"read by a plain model: diff {diff}")
+    return max(float(np.abs(a - b).max()) for a, b in zip(training_state(plain), state))

@@ -6,47 +6,32 @@ import pytest
 import tensorflow as tf
 
 from tfdist import checkpoint
-from tfdist.models import build_token_mlp, make_copy_task
+from tfdist.models import build_token_mlp
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import max_rel_diff
 from tfdist.testing.reference import reference_model
 
-LAYOUT = "batch:data;d_ff:model;vocab:model"
-BATCH, STEPS = 16, 5
+from token_mlp_2x2 import BATCH, LAYOUT, STEPS, compiled_token_mlp, token_mlp_loss, trained_2x2  # noqa: F401 (a fixture)
 
 
 def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return token_mlp_loss()
 
 
 def _compiled(strategy):
-    with strategy.scope():
-        model = build_token_mlp()
-        model.compile(keras.optimizers.Adam(0.01), _loss())
-        model.optimizer.build(model.trainable_variables)
-    return model
+    return compiled_token_mlp(strategy)
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 2x2 model after STEPS steps, its checkpoint, and an uninterrupted reference."""
-    x, y = make_copy_task(2 * STEPS * BATCH)
-    keras.utils.set_random_seed(0)
-    reference = reference_model(build_token_mlp())
-    initial = reference.get_weights()
-    reference.compile(keras.optimizers.Adam(0.01), _loss())
-    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)  # 2 * STEPS steps
-
-    model = _compiled(MeshStrategy("data:2;model:2", LAYOUT))
-    model.set_weights(initial)
-    model.fit(x[: STEPS * BATCH], y[: STEPS * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+def trained(trained_2x2, tmp_path_factory):
+    """The 2x2 model, its Keras and portable checkpoints, and the uninterrupted reference."""
+    model = trained_2x2["model"]
     directory = tmp_path_factory.mktemp("ckpt")
     path = str(directory / "model.weights.h5")
     model.save_weights(path)
     portable = str(directory / "model.npz")
     checkpoint.save(model, portable)
-    return dict(x=x, y=y, model=model, path=path, portable=portable, reference=reference,
-                tmp=tmp_path_factory.mktemp("keras"))
+    return dict(trained_2x2, path=path, portable=portable, tmp=tmp_path_factory.mktemp("keras"))
 
 
 @pytest.mark.parametrize(

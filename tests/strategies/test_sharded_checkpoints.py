@@ -10,44 +10,25 @@ import tensorflow as tf
 from tfdist import checkpoint
 from tfdist.internal import mesh_extended
 from tfdist.layers.weights import add_sharded_weight
-from tfdist.models import build_token_mlp, make_copy_task
 from tfdist.sharded_checkpoint import SHARDED, bundle_prefix
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import max_rel_diff
-from tfdist.testing.reference import reference_model
 
-LAYOUT = "batch:data;d_ff:model;vocab:model"
-BATCH, STEPS = 16, 5
+from token_mlp_2x2 import BATCH, LAYOUT, STEPS, compiled_token_mlp, trained_2x2  # noqa: F401 (a fixture)
 
-
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def _compiled(strategy=None):
-    with (strategy.scope() if strategy else tf.distribute.get_strategy().scope()):
-        model = build_token_mlp() if strategy else reference_model(build_token_mlp())
-        model.compile(keras.optimizers.Adam(0.01), _loss())
-        model.optimizer.build(model.trainable_variables)
-    return model
+    return compiled_token_mlp(strategy)
 
 
 def _state(model):
-    return ([w for w in model.get_weights()] + [v.numpy() for v in model.optimizer.variables])
+    return model.get_weights() + [v.numpy() for v in model.optimizer.variables]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 2x2 model after STEPS Adam steps, saved sharded, and an uninterrupted reference."""
-    x, y = make_copy_task(2 * STEPS * BATCH)
-    keras.utils.set_random_seed(0)
-    reference = reference_model(build_token_mlp())
-    initial = reference.get_weights()
-    reference.compile(keras.optimizers.Adam(0.01), _loss())
-    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)  # 2 * STEPS steps
-    model = _compiled(MeshStrategy("data:2;model:2", LAYOUT))
-    model.set_weights(initial)
-    model.fit(x[: STEPS * BATCH], y[: STEPS * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+def trained(trained_2x2, tmp_path_factory):
+    """The 2x2 model saved sharded (a spy fails the save if any weight is gathered)."""
     path = str(tmp_path_factory.mktemp("sharded") / "model.shards")
     original = mesh_extended.ShardedVariable._get_cross_replica
 
@@ -56,10 +37,10 @@ def trained(tmp_path_factory):
 
     mesh_extended.ShardedVariable._get_cross_replica = gathered
     try:
-        assert checkpoint.save(model, path, fmt=SHARDED) is True
+        assert checkpoint.save(trained_2x2["model"], path, fmt=SHARDED) is True
     finally:
         mesh_extended.ShardedVariable._get_cross_replica = original
-    return dict(x=x, y=y, model=model, path=path, reference=reference)
+    return dict(trained_2x2, path=path)
 
 
 def test_each_shard_is_stored_once_as_its_global_slice(trained):
