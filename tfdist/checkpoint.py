@@ -109,7 +109,6 @@ class NpzFormat:
         with np.load(path) as data:
             return {name: data[name] for name in data.files}
 
-
     def is_complete(self, path):
         return os.path.isfile(path)  # written atomically
 
@@ -165,10 +164,16 @@ def global_arrays(model, with_optimizer: bool = True) -> dict:
     """
     arrays = {name: np.asarray(v.numpy())
               for name, v in _named_variables(model, with_optimizer).items()}
-    strategy = getattr(model, "distribute_strategy", None)
-    if with_optimizer and isinstance(strategy, StrategyState):
-        arrays.update({_STRATEGY + k: v for k, v in strategy.checkpoint_state().items()})
+    arrays.update(_strategy_arrays(model, with_optimizer))
     return arrays
+
+
+def _strategy_arrays(model, with_optimizer: bool) -> dict:
+    """`{"strategy/<k>": array}` of a strategy with state of its own (`StrategyState`)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if not (with_optimizer and isinstance(strategy, StrategyState)):
+        return {}
+    return {_STRATEGY + k: np.asarray(v) for k, v in strategy.checkpoint_state().items()}
 
 
 def save(model, path: str, with_optimizer: bool = True, fmt: Optional[Format] = None) -> bool:
@@ -188,11 +193,9 @@ def save(model, path: str, with_optimizer: bool = True, fmt: Optional[Format] = 
     """
     fmt = fmt or format_of(path)
     if isinstance(fmt, ShardedFormat):
-        strategy = getattr(model, "distribute_strategy", None)
-        extra = {}
-        if with_optimizer and isinstance(strategy, StrategyState):
-            extra = {_STRATEGY + k: np.asarray(v) for k, v in strategy.checkpoint_state().items()}
-        return fmt.save(_named_variables(model, with_optimizer), extra, path, strategy)
+        return fmt.save(_named_variables(model, with_optimizer),
+                        _strategy_arrays(model, with_optimizer), path,
+                        getattr(model, "distribute_strategy", None))
     arrays = global_arrays(model, with_optimizer)
     if not runtime.is_chief(model.distribute_strategy):
         return False
@@ -336,6 +339,6 @@ def latest(model_dir: str, fmt: Optional[Format] = None) -> Optional[str]:
     found = {}
     for f in formats:
         backups = Backups(os.path.join(model_dir, BACKUP_DIR), f)
-        found.update({position: path for position, path in backups.positions().items()})
+        found.update(backups.positions())
     return found[max(found)] if found else None
 

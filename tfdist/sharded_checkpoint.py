@@ -32,7 +32,7 @@ TF's own multi-worker checkpoints.
 import os
 import re
 import shutil
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -60,15 +60,9 @@ def _clip(slices, shape):
     return None if any(s.stop <= s.start for s in clipped) else clipped
 
 
-def _host(device: str) -> str:
-    """The task part of a device name (`/job:worker/replica:0/task:1`)."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.replace(device_type=None, device_index=None).to_string()
-
-
 def _host_cpu(device: str) -> str:
-    return tf.DeviceSpec.from_string(_host(device)).replace(
-        device_type="CPU", device_index=0).to_string()
+    """The CPU of the task that holds `device` (`/job:worker/replica:0/task:1/device:CPU:0`)."""
+    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
 
 
 def _tf_variable(variable):
@@ -83,12 +77,11 @@ def _components(variable, strategy):
     values = getattr(var, "values", None)
     if values is None or not isinstance(values, (tuple, list)):
         return [(var, None, None)]
+    if layout is None:
+        return [(component, None, None) for component in values]
     mesh_runtime = runtime.current_runtime(strategy)
-    out = []
-    for i, component in enumerate(values):
-        index = mesh_runtime.mesh_device_index(i) if mesh_runtime is not None else i
-        out.append((component, index, layout))
-    return out
+    return [(component, mesh_runtime.mesh_device_index(i), layout)
+            for i, component in enumerate(values)]
 
 
 def _owned_slices(layout):
@@ -156,9 +149,6 @@ class _LazyTensors(Mapping):
     def shape(self, name) -> Tuple[int, ...]:
         return tuple(self._shapes[name])
 
-    def dtype(self, name) -> tf.DType:
-        return self._reader.get_variable_to_dtype_map()[name]
-
 
 class ShardedFormat:
     """Per-process shards in a TF tensor bundle, one generation directory per save."""
@@ -204,7 +194,7 @@ class ShardedFormat:
             owned = _owned_slices(layout)
             for component, index, _ in comps:
                 clipped = owned.get(index)
-                if index not in owned or clipped is None:
+                if clipped is None:  # another device writes it, or all padding
                     continue
                 with tf.device(component.device):
                     value = component.read_value()
@@ -264,33 +254,33 @@ class ShardedFormat:
 
     # -- loading -------------------------------------------------------------
 
-    def load(self, named: Dict[str, object], path: str, strategy) -> Dict[str, np.ndarray]:
+    def load(self, named: Dict[str, object], path: str, strategy) -> None:
         """Assigns every variable of `named` from `path`, each device reading its own slice.
 
-        Returns the other stored tensors whose names start with "strategy/"
-        (small, read whole). Shapes and names are checked first by the caller
-        through `tensors(path)`.
+        A slice is read once per host and assigned to each of that host's
+        devices that hold it. Names and shapes are checked first by the
+        caller, through `tensors(path)`.
         """
         prefix = bundle_prefix(path)
         for name, variable in named.items():
+            read = {}  # (host, slice spec): the value read there
             for component, index, layout in _components(variable, strategy):
-                dtype = component.dtype.base_dtype
-                if layout is None or index is None:
-                    with tf.device(component.device or None):
-                        (value,) = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[name],
-                                                        shape_and_slices=[""], dtypes=[dtype])
-                        component.assign(value)
-                    continue
-                slices = layout.shard_slices(index)
-                clipped = _clip(slices, layout.shape)
-                with tf.device(component.device):
-                    if clipped is None:
-                        component.assign(tf.zeros(component.shape, dtype))
+                slices = clipped = None
+                if layout is not None:
+                    slices = layout.shard_slices(index)
+                    clipped = _clip(slices, layout.shape)
+                with tf.device(component.device or None):
+                    if layout is not None and clipped is None:  # all padding
+                        component.assign(tf.zeros(component.shape, component.dtype))
                         continue
-                    (value,) = tf.raw_ops.RestoreV2(
-                        prefix=prefix, tensor_names=[name],
-                        shape_and_slices=[_slice_spec(layout.shape, clipped)], dtypes=[dtype])
-                    if layout.is_padded:
+                    spec = "" if layout is None else _slice_spec(layout.shape, clipped)
+                    key = (_host_cpu(component.device) if component.device else "", spec)
+                    if key not in read:
+                        (read[key],) = tf.raw_ops.RestoreV2(
+                            prefix=prefix, tensor_names=[name], shape_and_slices=[spec],
+                            dtypes=[component.dtype.base_dtype])
+                    value = read[key]
+                    if layout is not None and layout.is_padded:
                         value = tf.pad(value, [[0, s.stop - s.start - (c.stop - c.start)]
                                                for s, c in zip(slices, clipped)])
                     component.assign(value)

@@ -11,15 +11,7 @@ from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import max_rel_diff
 from tfdist.testing.reference import reference_model
 
-from token_mlp_2x2 import BATCH, LAYOUT, STEPS, compiled_token_mlp, token_mlp_loss, trained_2x2  # noqa: F401 (a fixture)
-
-
-def _loss():
-    return token_mlp_loss()
-
-
-def _compiled(strategy):
-    return compiled_token_mlp(strategy)
+from token_mlp_2x2 import BATCH, LAYOUT, STEPS, compiled_token_mlp, trained_2x2  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +32,7 @@ def trained(trained_2x2, tmp_path_factory):
      ("data:1;model:4", "portable"), ("plain", "portable")],
 )
 def test_resume_on_another_mesh_continues_identically(trained, mesh, fmt):
-    if mesh == "plain":
-        model = reference_model(build_token_mlp())
-        model.compile(keras.optimizers.Adam(0.01), _loss())
-        model.optimizer.build(model.trainable_variables)
-    else:
-        model = _compiled(MeshStrategy(mesh, LAYOUT))
+    model = compiled_token_mlp(None if mesh == "plain" else MeshStrategy(mesh, LAYOUT))
     if fmt == "keras":
         model.load_weights(trained["path"])
     else:
@@ -82,7 +69,7 @@ def test_keras_file_round_trip_onto_another_mesh(trained):
 def test_tf_train_checkpoint_saves_global_tensors(trained, tmp_path):
     source = trained["model"]
     prefix = tf.train.Checkpoint(model=source).write(str(tmp_path / "tf_ckpt"))
-    target = _compiled(MeshStrategy("data:1;model:4", LAYOUT))
+    target = compiled_token_mlp(MeshStrategy("data:1;model:4", LAYOUT))
     tf.train.Checkpoint(model=target).read(prefix).expect_partial()
     for a, b in zip(target.get_weights(), source.get_weights()):
         np.testing.assert_array_equal(a, b)

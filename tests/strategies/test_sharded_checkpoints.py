@@ -18,10 +18,6 @@ from token_mlp_2x2 import BATCH, LAYOUT, STEPS, compiled_token_mlp, trained_2x2 
 
 
 
-def _compiled(strategy=None):
-    return compiled_token_mlp(strategy)
-
-
 def _state(model):
     return model.get_weights() + [v.numpy() for v in model.optimizer.variables]
 
@@ -61,7 +57,7 @@ def test_each_shard_is_stored_once_as_its_global_slice(trained):
 
 @pytest.mark.parametrize("mesh", ["data:1;model:1", "data:4;model:1", "data:1;model:4", "plain"])
 def test_load_onto_any_mesh_gives_identical_state_and_training(trained, mesh):
-    model = _compiled(None if mesh == "plain" else MeshStrategy(mesh, LAYOUT))
+    model = compiled_token_mlp(None if mesh == "plain" else MeshStrategy(mesh, LAYOUT))
     checkpoint.load(model, trained["path"], fmt=SHARDED)
     for a, b in zip(_state(model), _state(trained["model"])):
         np.testing.assert_array_equal(a, b)

@@ -19,12 +19,8 @@ def token_mlp_loss():
 
 def compiled_token_mlp(strategy=None):
     """The token MLP with Adam built: on `strategy`'s mesh, or a plain Keras model."""
-    if strategy is None:
-        model = reference_model(build_token_mlp())
-    else:
-        with strategy.scope():
-            model = build_token_mlp()
     with (strategy.scope() if strategy else contextlib.nullcontext()):
+        model = build_token_mlp() if strategy else reference_model(build_token_mlp())
         model.compile(keras.optimizers.Adam(0.01), token_mlp_loss())
         model.optimizer.build(model.trainable_variables)
     return model
