@@ -141,6 +141,30 @@ def _all_gather(ctx, x, dim):
     return op(x)
 
 
+def gathered_as(x, whole, axis: Optional[str], dim: int = 0):
+    """`whole`, a kept `all_gather(x, axis, dim)`, differentiated as that gather of `x`.
+
+    For a weight whose gathered value is kept between steps (ZeRO-1/2): the
+    forward pass reads the kept copy, no collective; the gradient reaches `x`
+    reduce-scattered (kept sparse for a row lookup's `IndexedSlices`), as an
+    `all_gather`'s does; `whole` gets none.
+    """
+    ctx = axis_context(axis)
+    if ctx is None:
+        return whole
+
+    @tf.custom_gradient
+    def op(x, whole):
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):
+                return _sparse_reduce_scatter(ctx, dy, dim, x.shape), None
+            return _reduce_scatter(ctx, dy, dim), None
+
+        return tf.identity(whole), grad
+
+    return op(x, whole)
+
+
 def _sparse_reduce_scatter(ctx, dy, dim, local_shape):
     """`reduce_scatter` of a sparse gradient (`IndexedSlices` over rows), kept sparse.
 

@@ -31,10 +31,20 @@ class KerasLayouts:
             `tfdist.distribution.ModelParallel`).
         reshard_after_forward: FSDP weights of the layers tfdist knows are
             gathered again for the backward pass (see `ModelParallel`).
+        zero_stage: 0, or ZeRO's stage for trainable weights the map does not
+            split over the batch axis (see `ModelParallel`): 2 (or 1) stores
+            them split over the batch axis too, with a kept whole copy
+            (`keeps_whole`); 3 stores them split, gathered when read (FSDP).
     """
 
     def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str,
-                 initialize_shards: bool = False, reshard_after_forward: bool = True):
+                 initialize_shards: bool = False, reshard_after_forward: bool = True,
+                 zero_stage: int = 0):
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0 (off), 1 or 2 (optimizer states and "
+                             f"gradients split over the batch axis, weights kept whole) or 3 "
+                             f"(weights split too); received zero_stage={zero_stage!r}.")
+        self.zero_stage = int(zero_stage)
         self.initialize_shards = bool(initialize_shards)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.layout_map = layout_map
@@ -48,14 +58,14 @@ class KerasLayouts:
 
     @classmethod
     def for_mesh(cls, device_mesh, layout_map, batch_dim_name: Optional[str] = None,
-                 initialize_shards: bool = False,
-                 reshard_after_forward: bool = True) -> "KerasLayouts":
+                 initialize_shards: bool = False, reshard_after_forward: bool = True,
+                 zero_stage: int = 0) -> "KerasLayouts":
         """The layouts of `layout_map` (or None) on a Keras `DeviceMesh`; the batch
         axis defaults to the mesh's first."""
         mesh_shape = keras_mesh_shape(device_mesh)
         return cls(layout_map, mesh_shape, batch_dim_name or mesh_shape.names[0],
                    initialize_shards=initialize_shards,
-                   reshard_after_forward=reshard_after_forward)
+                   reshard_after_forward=reshard_after_forward, zero_stage=zero_stage)
 
     def _check_spec(self, spec, what):
         mesh = getattr(spec, "device_mesh", None)
@@ -142,3 +152,30 @@ class KerasLayouts:
                     f"that is a multiple of {self.mesh_shape.axis_size(axis)} or lay that "
                     f"dimension out on another axis (or None).")
         return TensorLayout((None,) * len(shape), shape, axes, self.mesh_shape)
+
+    def zero_layout(self, layout: Optional[TensorLayout], shape: Sequence[int],
+                    trainable: bool) -> Optional[TensorLayout]:
+        """The storage layout ZeRO gives a weight the map lays out `layout`, or None.
+
+        None (the map's layout stands) with `zero_stage` 0, for a non-trainable
+        variable (it has no optimizer state), when the batch axis has one device
+        or the layout already splits a dimension over it, and when no unsplit
+        dimension divides by the batch axis's size (small odd weights stay
+        whole: a scalar, a bias of odd width). Otherwise the first such
+        dimension is split over the batch axis as well.
+        """
+        size = self.mesh_shape.axis_size(self.batch_axis)
+        shape = tuple(int(n) for n in shape)
+        axes = (None,) * len(shape) if layout is None else layout.mesh_axes
+        if not self.zero_stage or not trainable or size == 1 or self.batch_axis in axes:
+            return None
+        for dim, (n, axis) in enumerate(zip(shape, axes)):
+            if axis is None and n % size == 0:
+                zero_axes = axes[:dim] + (self.batch_axis,) + axes[dim + 1:]
+                return TensorLayout((None,) * len(shape), shape, zero_axes, self.mesh_shape)
+        return None
+
+    @property
+    def keeps_whole(self) -> bool:
+        """Whether weights ZeRO splits keep a whole copy for reading (stages 1 and 2)."""
+        return self.zero_stage in (1, 2)

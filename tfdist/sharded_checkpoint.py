@@ -284,6 +284,9 @@ class ShardedFormat:
                         value = tf.pad(value, [[0, s.stop - s.start - (c.stop - c.start)]
                                                for s, c in zip(slices, clipped)])
                     component.assign(value)
+            refresh = getattr(_tf_variable(variable), "refresh_kept_whole", None)
+            if refresh is not None:  # ZeRO-1/2: its whole copy, from the shards just read
+                refresh()
 
 
 def _write_part(device, prefix, part) -> None:

@@ -73,6 +73,31 @@ def read_in_replica(layout, shard):
     return _gather(tf.convert_to_tensor(shard), layout, gather)  # the read the tape records
 
 
+def read_kept(shard, whole, axis: str, dim: int, base=None):
+    """A ZeRO-1/2 weight read in a replica: its kept copy, gradient to the shard.
+
+    Args:
+        shard: this device's component of the weight, split over `axis` on
+            dimension `dim` (and as `base` lays it out over other axes).
+        whole: this device's component of the kept copy: `shard` gathered
+            over `axis`.
+        axis, dim: the batch axis ZeRO splits the weight over, and where.
+        base: the weight's layout without ZeRO (None: replicated); its split
+            dimensions are gathered as `read_in_replica` gathers them.
+
+    Returns:
+        The shard itself under `local_axes(axis)` (the optimizer's reads);
+        otherwise the kept copy, differentiated as an all-gather of `shard`
+        (its gradient is reduce-scattered: ZeRO-2), then gathered as `base`
+        needs.
+    """
+    if axis in getattr(_state, "local", frozenset()):
+        return shard
+    value = collectives.gathered_as(tf.convert_to_tensor(shard), tf.convert_to_tensor(whole),
+                                    axis, dim)
+    return value if base is None else read_in_replica(base, value)
+
+
 def _gather(value, layout, axes):
     for dim, axis in enumerate(layout.mesh_axes):
         if axis in axes:

@@ -86,6 +86,27 @@ class ModelParallel(MeshStrategy):
             costs a second all-gather per weight and step. False: the gathered
             weight is kept from the forward to the backward pass (one gather).
             Other layers always keep it.
+        zero_stage: ZeRO (Rajbhandari et al.) for the trainable weights the
+            layout map leaves whole over the batch axis (all of them without a
+            map), on a batch axis of N > 1 devices:
+
+            - 0 (default): they are replicated, as in plain data parallelism.
+            - 1 or 2: each is *stored* split over the batch axis on its first
+              dimension that divides by N, so its optimizer slots (and
+              gradient accumulators, EMA averages) are 1/N per device, and its
+              gradient is reduce-scattered to the shards (ZeRO-2; in a graph
+              step the gradient buffer stage 1 would keep whole is freed once
+              scattered, so the two stages are one). Replicas read a kept
+              whole copy, refreshed by an all-gather of the new shards after
+              each optimizer step: the same communication as one all-reduce
+              and results exactly those of data parallelism.
+            - 3: stored split and gathered when read, as a `LayoutMap` entry on
+              the batch axis would (FSDP / ZeRO-3): weights 1/N too, a gather
+              per read.
+
+            Weights with no dimension divisible by N (a scalar, an odd-sized
+            bias) and non-trainable variables stay replicated. Checkpoints
+            hold global tensors, as always.
         **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
             `max_shapes`).
 
@@ -112,6 +133,7 @@ class ModelParallel(MeshStrategy):
         devices: Union[None, str, Sequence[str]] = None,
         initialize_shards: bool = False,
         reshard_after_forward: bool = True,
+        zero_stage: int = 0,
         **options,
     ):
         if device_mesh is None and layout_map is None:
@@ -121,7 +143,8 @@ class ModelParallel(MeshStrategy):
             device_mesh = layout_map.device_mesh
         layouts = KerasLayouts.for_mesh(device_mesh, layout_map, batch_dim_name,  # checked first
                                         initialize_shards=initialize_shards,
-                                        reshard_after_forward=reshard_after_forward)
+                                        reshard_after_forward=reshard_after_forward,
+                                        zero_stage=zero_stage)
         if devices is None:
             devices = _tf_devices(device_mesh)
         # A tfdist model's layout map (`RulesLayoutMap`) carries its layout rules:
@@ -146,7 +169,8 @@ class DataParallel(ModelParallel):
         device_mesh: a one-axis `keras.distribution.DeviceMesh` (default: a
             mesh `batch` over `devices`, or over every device of one kind).
         devices: TF device names, "cpu"/"gpu", or None (GPUs if any).
-        **options: `MeshStrategy` options.
+        **options: `ModelParallel`'s `zero_stage` (ZeRO optimizer-state
+            sharding) and `MeshStrategy` options.
     """
 
     def __init__(self, device_mesh=None, devices=None, **options):

@@ -89,7 +89,8 @@ def _contract(contract, x, variable, layout, axis=None):
     (`weight_reads.regathered`), not kept alive between the passes, unless the
     strategy keeps them (`reshard_after_forward=False`).
     """
-    if not _keras_layouts().reshard_after_forward:
+    if not _keras_layouts().reshard_after_forward or keras_variables.keeps_whole(variable):
+        # Gathered once and kept (ZeRO-1/2 keeps it between steps, too).
         with weight_reads.local_axes(*((axis,) if axis else ())):
             return contract(x, tf.convert_to_tensor(variable))
     with weight_reads.local_axes(*layout.sharded_mesh_axes):

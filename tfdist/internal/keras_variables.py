@@ -30,9 +30,18 @@ def keras_variable_of(initial_value) -> Optional[keras.Variable]:
     return None
 
 
-def set_layout(variable: keras.Variable, layout) -> None:
-    """Records on a Keras variable the `TensorLayout` its `tf.Variable` was created with."""
+def set_layout(variable: keras.Variable, layout, keeps_whole: bool = False) -> None:
+    """Records on a Keras variable the `TensorLayout` its `tf.Variable` was created with.
+
+    `keeps_whole`: the strategy keeps a whole copy that replicas read (ZeRO-1/2).
+    """
     variable._tfdist_layout = layout
+    variable._tfdist_keeps_whole = bool(keeps_whole)
+
+
+def keeps_whole(variable) -> bool:
+    """Whether `set_layout` recorded a kept whole copy (ZeRO-1/2) for this Keras variable."""
+    return getattr(variable, "_tfdist_keeps_whole", False)
 
 
 def layout_of(variable):

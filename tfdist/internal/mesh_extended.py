@@ -27,6 +27,8 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
 """
 
 import contextlib
+import dataclasses
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -38,7 +40,7 @@ from tensorflow.python.distribute import values_util
 from tensorflow.python.eager import record
 from tensorflow.python.framework import ops
 
-from tfdist import weight_reads
+from tfdist import collectives, weight_reads
 from tfdist.clipping import clip_global
 from tfdist.internal import keras_h5_slices, keras_variables
 from tfdist.internal.even_steps import even_keras_step
@@ -46,6 +48,23 @@ from tfdist.mesh import TensorLayout
 
 LAYOUT_KWARG = "tfdist_layout"
 """Variable-creator keyword that carries a weight's `TensorLayout` to the strategy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptWhole:
+    """ZeRO-1/2's whole copy of a weight stored split over the batch axis.
+
+    The weight (and so its optimizer slots and gradient) is stored split over
+    `axis` on dimension `dim` (`layout`); `copy` holds it gathered over `axis`
+    on every device, laid out like the `LayoutMap` lays it out (`base`: None
+    or a layout over other axes), and is what replicas read. tfdist refreshes
+    it after every optimizer step and every assignment of the weight.
+    """
+
+    copy: tf.Variable
+    base: Optional[TensorLayout]
+    axis: str
+    dim: int
 
 
 class ShardedVariable(values.MirroredVariable):
@@ -62,6 +81,7 @@ class ShardedVariable(values.MirroredVariable):
         super().__init__(strategy, values_list, aggregation)
         self._tfdist_layout = layout
         self._tfdist_gather_on_read = False  # set by `ShardRouting._create_variable`
+        self._tfdist_kept: Optional[KeptWhole] = None  # ZeRO-1/2: set there too
 
     @property
     def layout(self) -> TensorLayout:
@@ -86,6 +106,10 @@ class ShardedVariable(values.MirroredVariable):
         if replica_id is None:
             return self._get_cross_replica()
         if self._tfdist_gather_on_read and distribute_lib.get_update_replica_id() is None:
+            kept = self._tfdist_kept
+            if kept is not None:
+                return weight_reads.read_kept(self._values[replica_id], kept.copy.values[replica_id],
+                                              kept.axis, kept.dim, kept.base)
             return weight_reads.read_in_replica(self._tfdist_layout, self._values[replica_id])
         return self._values[replica_id]
 
@@ -139,9 +163,25 @@ class ShardedVariable(values.MirroredVariable):
             shard = shard_of(index(i))
             with tf.device(component.device):
                 updates.append(update_fn(component, shard, **kwargs))
-        if all(isinstance(u, tf.Variable) for u in updates):
+        eager = all(isinstance(u, tf.Variable) for u in updates)
+        if self._tfdist_kept is not None:
+            with tf.control_dependencies(None if eager else updates):
+                updates.append(self.refresh_kept_whole())
+        if eager:
             return self
         return tf.group(updates)
+
+    def refresh_kept_whole(self):
+        """In cross-replica context: ZeRO's kept whole copy assigned this weight's value.
+
+        For assignments outside the optimizer (loading, `set_weights`, EMA's
+        overwrite); the optimizer's steps refresh it in the replicas
+        (`refresh_kept_in_replica`). A no-op without a kept copy.
+        """
+        kept = self._tfdist_kept
+        if kept is None:
+            return tf.no_op()
+        return kept.copy.assign(self._get_cross_replica(), read_value=False)
 
     def _update_replica(self, update_fn, value, **kwargs):
         return update_fn(self._get_on_device_or_primary(), value, **kwargs)
@@ -154,6 +194,25 @@ class ShardedVariable(values.MirroredVariable):
         return self._update_cross_replica(
             lambda v, x: v.assign(x, read_value=False), restored_tensors["VARIABLE_VALUE"]
         )
+
+
+def refresh_kept_in_replica(variables) -> None:
+    """In a replica, after an optimizer step: each ZeRO weight's kept copy gathered anew.
+
+    Each device all-gathers its weight's new shard over the batch axis (ZeRO's
+    all-gather of the updated parameters) into its component of the copy.
+    """
+    replica = None
+    for variable in variables:
+        var = variable if isinstance(variable, tf.Variable) else variable.value  # Keras's
+        kept = getattr(var, "_tfdist_kept", None)
+        if kept is None:
+            continue
+        if replica is None:
+            replica = values_util.get_current_replica_id_as_int()
+        shard = var.values[replica].read_value()
+        kept.copy.values[replica].assign(collectives.all_gather(shard, kept.axis, dim=kept.dim),
+                                         read_value=False)
 
 
 def assemble_global(layout: TensorLayout, shards):
@@ -334,6 +393,7 @@ class ShardRouting:
         layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
         gather_on_read = False
+        keep_whole = None  # ZeRO-1/2: the LayoutMap's own layout of a weight stored split
         if layout is not None and colocate_with is None and self.keras_layouts is not None:
             # A tfdist layer's weight under a LayoutMap: the two must agree.
             keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
@@ -346,8 +406,15 @@ class ShardRouting:
             # reads it whole (gathered) unless its call runs on shards.
             keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
             if keras_variable is not None:
-                layout = self.keras_layouts.layout(keras_variable.path, keras_variable.shape)
-                keras_variables.set_layout(keras_variable, layout)
+                layouts = self.keras_layouts
+                layout = layouts.layout(keras_variable.path, keras_variable.shape)
+                zero = layouts.zero_layout(layout, keras_variable.shape,
+                                           kwargs.get("trainable", True))
+                if zero is not None:
+                    if layouts.keeps_whole:
+                        keep_whole = [layout]
+                    layout = zero
+                keras_variables.set_layout(keras_variable, layout, keeps_whole=bool(keep_whole))
                 gather_on_read = True
         if layout is None or not layout.is_sharded:
             return self._create_replicated_variable(next_creator, **kwargs)
@@ -364,7 +431,27 @@ class ShardRouting:
         variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
                                                  **kwargs)
         variable._tfdist_gather_on_read = gather_on_read
+        if keep_whole:
+            variable._tfdist_kept = self._create_kept_whole(next_creator, variable, keep_whole[0],
+                                                            kwargs)
         return variable
+
+    def _create_kept_whole(self, next_creator, variable, base, kwargs) -> KeptWhole:
+        """ZeRO's whole copy of `variable`, laid out `base`, from its initial shards."""
+        axes = variable.layout.mesh_axes
+        base_axes = (None,) * len(axes) if base is None else base.mesh_axes
+        dim = next(d for d, (a, b) in enumerate(zip(axes, base_axes)) if a != b)
+        axis = axes[dim]
+        name = (kwargs.get("name") or "variable").split(":")[0]
+        copy_kwargs = dict(initial_value=variable._get_cross_replica, trainable=False,
+                           dtype=variable.dtype, name=f"{name}_whole",
+                           synchronization=tf.VariableSynchronization.ON_WRITE,
+                           aggregation=tf.VariableAggregation.NONE)
+        if base is None or not base.is_sharded:
+            copy = self._create_replicated_variable(next_creator, **copy_kwargs)
+        else:
+            copy = self._create_sharded_variable(next_creator, base, **copy_kwargs)
+        return KeptWhole(copy=copy, base=base, axis=axis, dim=dim)
 
     @staticmethod
     def _slot_layout(primary: ShardedVariable, kwargs):
@@ -583,7 +670,12 @@ class ShardRouting:
                 f"Apply gradients with a Keras optimizer (`model.fit`, "
                 f"`optimizer.apply_gradients` inside `strategy.run`), which tfdist "
                 f"routes per shard.")
-        return super()._update(var, fn, args, kwargs, group)
+        result = super()._update(var, fn, args, kwargs, group)
+        if getattr(var, "_tfdist_kept", None) is not None and tf.executing_eagerly():
+            # An eager update (Keras's `finalize_variable_values` writing EMA averages
+            # after `fit`); a step's updates refresh the copy in the replicas after.
+            var.refresh_kept_whole()
+        return result
 
 
 class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):

@@ -41,6 +41,7 @@ from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
 from tfdist import runtime, weight_reads
 from tfdist.clipping import Clipping
+from tfdist.internal import mesh_extended
 from tfdist.internal.optimizer_gradients import _routed
 
 _KERAS_APPLY = tf_optimizer.TFOptimizer._backend_apply_gradients
@@ -54,6 +55,7 @@ def _backend_apply_gradients(self, grads, trainable_variables):
     else:
         _apply_in_cross_replica_context(self, grads, trainable_variables)
     _apply_shard_constraints(self, trainable_variables)
+    mesh_extended.refresh_kept_in_replica(trainable_variables)  # ZeRO-1/2's whole copies
 
 
 def _apply_shard_constraints(optimizer, trainable_variables):

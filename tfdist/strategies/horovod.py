@@ -10,7 +10,7 @@ from tfdist.internal import install_keras_hooks, install_layout_map_hooks
 from tfdist.keras_layouts import KerasLayouts
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras
-from tfdist.mesh import Mesh
+from tfdist.mesh import Mesh, MeshShape
 from tfdist.runtime import MeshRuntime
 
 _COMPRESSIONS = ("none", "fp16")
@@ -62,6 +62,10 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             must draw the same numbers); others start from rank 0's whole value.
             Optimizer slots and constant initializers are always made shard by
             shard, each rank its own.
+        zero_stage: ZeRO over the batch axis of the ranks, as
+            `tfdist.distribution.ModelParallel`'s; with `layout_map`, or alone
+            (then the ranks are one axis `data` and every Keras weight is
+            stored split over it).
 
     Example (4 ranks, Megatron MLP split over pairs of ranks):
 
@@ -82,7 +86,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     def __init__(self, compression: str = "none", device: Optional[str] = None,
                  reduction: str = "sum", mesh_shape=None, layout=None, layout_map=None,
                  batch_dim_name: Optional[str] = None, reshard_after_forward: bool = True,
-                 initialize_shards: bool = False):
+                 initialize_shards: bool = False, zero_stage: int = 0):
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
                              f"received compression={compression!r}.")
@@ -107,15 +111,25 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             keras_layouts = KerasLayouts.for_mesh(layout_map.device_mesh, layout_map,
                                                   batch_dim_name,
                                                   initialize_shards=initialize_shards,
-                                                  reshard_after_forward=reshard_after_forward)
+                                                  reshard_after_forward=reshard_after_forward,
+                                                  zero_stage=zero_stage)
             mesh_shape = keras_layouts.mesh_shape
             layout = getattr(layout_map, "layout_rules", None)  # a RulesLayoutMap's
+        elif zero_stage:
+            if mesh_shape is not None or layout is not None:
+                raise ValueError(
+                    f"HorovodStrategy's zero_stage applies to Keras weights laid out by path: "
+                    f"give it a layout_map, or no mesh_shape (pure data parallelism over the "
+                    f"ranks); received mesh_shape={mesh_shape!r}, layout={layout!r}.")
+            KerasLayouts(None, MeshShape.parse("data:1"), "data", zero_stage=zero_stage)  # checked
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
         # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
         if mesh is None:
             hvd.init()
             mesh = Mesh.parse(f"data:{hvd.size()}", layout)
+            if zero_stage:
+                keras_layouts = KerasLayouts(None, mesh.shape, "data", zero_stage=zero_stage)
         codec = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         backend = HorovodBackend(hvd, init_with_process_sets(hvd, mesh), compression=codec,
                                  adasum=reduction == "adasum")

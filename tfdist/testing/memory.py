@@ -4,14 +4,17 @@
 def device_bytes(model, device_index: int = 0) -> int:
     """Bytes of the components of `model`'s weights and optimizer variables on one device.
 
-    A sharded weight counts its shard; a replicated one its full copy.
+    A sharded weight counts its shard; a replicated one its full copy; a
+    weight ZeRO-1/2 splits counts its shard and its kept whole copy.
     """
-    variables = list(model.weights)
+    variables = [v.value for v in model.weights]
     if getattr(model, "optimizer", None) is not None:
-        variables += list(model.optimizer.variables)
+        variables += [v.value for v in model.optimizer.variables]
+    variables += [v._tfdist_kept.copy for v in variables
+                  if getattr(v, "_tfdist_kept", None) is not None]
     total = 0
     for v in variables:
-        components = getattr(v.value, "values", (v.value,))
+        components = getattr(v, "values", (v,))
         component = components[min(device_index, len(components) - 1)]
         total += component.shape.num_elements() * component.dtype.size
     return total
