@@ -9,6 +9,9 @@ Each case is a fresh job started with tfdist.launch, one process per core
   each gathered weight gathered again for the backward pass (the default) and
   kept from the forward pass (`reshard_after_forward=False`);
 - tensor parallel over 2 processes: the same map on `(batch 1, model 2)`;
+- ZeRO over 2 processes: data parallelism with `zero_stage=2` (Adam's slots and
+  the gradients split over the processes, a kept whole copy of each weight
+  all-gathered after every step) and `zero_stage=3` (weights split too);
 - idle: the same job building no model (the memory baseline).
 
 Reported per case: steps/s and the ratio to one process and to data
@@ -35,8 +38,10 @@ CONFIG = dict(vocabulary_size=8192, num_layers=2, num_query_heads=4, num_key_val
 CASES = {  # name: (processes, mesh shape or None, ModelParallel options)
     "one": (1, None, {}), "data_parallel": (2, "dp", {}), "fsdp": (2, (2, 1), {}),
     "fsdp_kept": (2, (2, 1), {"reshard_after_forward": False}),
-    "tensor_parallel": (2, (1, 2), {}), "idle": (2, "idle", {}),
+    "tensor_parallel": (2, (1, 2), {}), "zero2": (2, "dp", {"zero_stage": 2}),
+    "zero3": (2, "dp", {"zero_stage": 3}), "idle": (2, "idle", {}),
 }
+REPORTED = ("one", "data_parallel", "fsdp", "fsdp_kept", "tensor_parallel", "zero2", "zero3")
 
 
 def _peak_rss_of_job():
@@ -53,6 +58,16 @@ def _peak_rss_of_job():
         except OSError:
             continue
     return sorted(peaks)
+
+
+def _slot_bytes(model, device):
+    """Bytes of the components of the optimizer's variables on one device."""
+    total = 0
+    for v in model.optimizer.variables:
+        components = getattr(v.value, "values", (v.value,))
+        c = components[min(device, len(components) - 1)]
+        total += c.shape.num_elements() * c.dtype.size
+    return total
 
 
 def job(args):
@@ -81,7 +96,7 @@ def job(args):
     if shape is None:
         strategy = tf.distribute.OneDeviceStrategy(devices[0])
     elif shape == "dp":
-        strategy = td.DataParallel(devices=devices)
+        strategy = td.DataParallel(devices=devices, **options)
     else:
         mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
         strategy = td.ModelParallel(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
@@ -101,6 +116,7 @@ def job(args):
               verbose=0, shuffle=False)
     result["s_per_step"] = (time.perf_counter() - start) / args.steps
     result["device_bytes"] = [device_bytes(model, i) for i in range(max(processes, 1))]
+    result["slot_bytes"] = [_slot_bytes(model, i) for i in range(max(processes, 1))]
     result["peak_rss_mib"] = _peak_rss_of_job()
     json.dump(result, open(args.result, "w"))
 
@@ -112,6 +128,8 @@ def main():
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--hidden_dim", type=int, default=CONFIG["hidden_dim"])
     parser.add_argument("--intermediate_dim", type=int, default=CONFIG["intermediate_dim"])
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma-separated cases to run (one, data_parallel and idle always run)")
     parser.add_argument("--case", choices=list(CASES))
     parser.add_argument("--result")
     args = parser.parse_args()
@@ -124,7 +142,10 @@ def main():
           f"timed steps; one core and one thread per process")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        wanted = set(args.cases.split(",")) | {"one", "data_parallel", "idle"}
         for case, (n, _, _) in CASES.items():
+            if case not in wanted:
+                continue
             path = os.path.join(tmp, f"{case}.json")
             command = [sys.executable, os.path.abspath(__file__), f"--case={case}",
                        f"--steps={args.steps}", f"--batch={args.batch}",
@@ -141,13 +162,20 @@ def main():
     one_bytes = one["device_bytes"][0]
     print(f"{'case':<18}{'procs':>6}{'s/step':>8}{'vs one':>8}{'vs DP':>7}"
           f"{'weights+slots/device':>22}{'of one':>8}  peak RSS above idle (MiB)")
-    for case in ("one", "data_parallel", "fsdp", "fsdp_kept", "tensor_parallel"):
+    for case in (c for c in REPORTED if c in results):
         r = results[case]
         above = [f"{p - min(idle):.0f}" for p in r["peak_rss_mib"]]
         print(f"{case:<18}{r['processes']:>6}{r['s_per_step']:>8.3f}"
               f"{one['s_per_step'] / r['s_per_step']:>7.2f}x{dp['s_per_step'] / r['s_per_step']:>6.2f}x"
               f"{max(r['device_bytes']):>22,}{max(r['device_bytes']) / one_bytes:>8.2f}  "
               f"{', '.join(above)}")
+    if "zero2" in results:
+        zero, slots = results["zero2"], dp["slot_bytes"][0]
+        print(f"ZeRO-2 targets: Adam slot bytes/device 1/2 of data parallel's "
+              f"({max(zero['slot_bytes']):,} / {slots:,} = {max(zero['slot_bytes']) / slots:.3f}), "
+              f"step <= 1.1x data parallel ({zero['s_per_step'] / dp['s_per_step']:.2f}x)")
+    if not {"fsdp", "fsdp_kept", "tensor_parallel"} <= set(results):
+        return 0
     fsdp, kept, tp = results["fsdp"], results["fsdp_kept"], results["tensor_parallel"]
     print(f"targets: FSDP bytes/device <= 1/2 + 5% of one ({max(fsdp['device_bytes']) / one_bytes:.2f}), "
           f"FSDP step <= 1.3x data parallel ({fsdp['s_per_step'] / dp['s_per_step']:.2f}x; "

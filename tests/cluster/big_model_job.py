@@ -1,0 +1,185 @@
+"""A job for tests/cluster/test_big_model.py: a model too big for one capped process.
+
+    python -m tfdist.launch --num_workers N --pin_cores -- \\
+        tests/cluster/big_model_job.py MODE [SHAPE] [CHECKPOINT]
+    python tests/cluster/big_model_job.py single | single_idle
+
+Every task caps its own address space (`RLIMIT_AS`) at the value the
+environment variable `TFDIST_TEST_AS_CAP` gives for its task index (a JSON
+list of bytes) before TensorFlow is imported. Modes:
+
+- `idle SHAPE`: as `train`, with a tiny backbone (hidden size 8) and no
+  checkpoint: each task's peak address space (`VmPeak`) once the runtime has
+  started every thread a step needs, the baseline the caps are set from.
+- `train SHAPE CHECKPOINT`: a keras-hub Gemma backbone with its own layout map
+  on a `(batch, model)` DeviceMesh of SHAPE ("1x2": tensor parallel, "2x1":
+  FSDP), weights drawn shard by shard, trains 3 steps and saves a sharded
+  checkpoint.
+- `resume SHAPE CHECKPOINT`: the same backbone on SHAPE loads the checkpoint
+  (weights and Adam state), checks them against the saved sums, trains 2 steps.
+- `single`: the same backbone and training in one process, no strategy;
+  `single_idle`: its baseline, with the tiny backbone.
+
+The controller prints one line `big_model MODE: {...}` (JSON: weight and slot
+bytes, loss, peak RSS and peak address space of every task).
+"""
+
+import json
+import os
+import resource
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+# hidden 1024, FFN 2 x 8192 (Gemma gives each gate half of 16384), 3 layers, vocabulary 8192: 96M parameters, 1.16 GB of
+# weights and Adam slots in float32.
+CONFIG = dict(vocabulary_size=8192, num_layers=3, num_query_heads=8, num_key_value_heads=8,
+              hidden_dim=1024, intermediate_dim=16384, head_dim=128)
+TINY = dict(CONFIG, vocabulary_size=64, hidden_dim=8, intermediate_dim=16, head_dim=4)
+BATCH, LENGTH, STEPS = 2, 16, 3
+
+
+def parameter_count(c=CONFIG) -> int:
+    """The backbone's parameters: embedding; per layer two norms, attention, gated FFN; a norm."""
+    d, heads = c["hidden_dim"], c["head_dim"]
+    attention = d * heads * (2 * c["num_query_heads"] + 2 * c["num_key_value_heads"])
+    layer = 2 * d + attention + 3 * d * (c["intermediate_dim"] // 2)  # Gemma halves it
+    return c["vocabulary_size"] * d + c["num_layers"] * layer + d
+
+
+def model_bytes() -> int:
+    """Bytes of the weights and Adam's two slots (float32)."""
+    return 3 * 4 * parameter_count()
+
+
+mode = None
+
+
+def _task_of(pid):
+    """The task index in process `pid`'s TF_CONFIG (0 without one)."""
+    for entry in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+        if entry.startswith(b"TF_CONFIG="):
+            return json.loads(entry[len(b"TF_CONFIG="):])["task"]["index"]
+    return 0
+
+
+def _job_status(field):
+    """`field` of /proc/PID/status (bytes) of every process running this job's command
+    line, in task order."""
+    me = open(f"/proc/{os.getpid()}/cmdline", "rb").read()
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/cmdline", "rb").read() != me:
+                continue
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith(field + ":"):
+                    out[_task_of(pid)] = int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return [out[k] for k in sorted(out)]
+
+
+def _report(**fields):
+    fields.update(vm_size=_job_status("VmSize"), vm_peak=_job_status("VmPeak"),
+                  peak_rss=_job_status("VmHWM"))
+    print(f"big_model {mode}: {json.dumps(fields)}", flush=True)
+
+
+def _data(config):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = BATCH * STEPS
+    x = {"token_ids": rng.integers(0, config["vocabulary_size"], (rows, LENGTH)).astype("int32"),
+         "padding_mask": np.ones((rows, LENGTH), "int32")}
+    y = rng.normal(size=(rows, LENGTH, config["hidden_dim"])).astype("float32")
+    return x, y
+
+
+def _sums(model):
+    """Sum of squares of every float32 weight and optimizer variable, each distinct shard
+    summed on its own device (float64): no whole tensor is gathered."""
+    import tensorflow as tf
+
+    out = []
+    for v in list(model.weights) + list(model.optimizer.variables):
+        if v.dtype != "float32":
+            continue
+        var = v.value
+        components = getattr(var, "values", (var,))
+        layout = getattr(var, "layout", None) if hasattr(var, "_tfdist_layout") else None
+        owners = [g[0] for g in layout.shard_owner_groups()] if layout is not None else [0]
+        total = 0.0
+        for i in owners:
+            with tf.device(components[i].device):
+                total += float(tf.reduce_sum(tf.square(tf.cast(components[i], tf.float64))))
+        out.append(total)
+    return out
+
+
+def main():
+    global mode
+    mode = sys.argv[1]
+    caps = json.loads(os.environ.get("TFDIST_TEST_AS_CAP", "null"))
+    task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
+    if caps:  # before TensorFlow is imported
+        resource.setrlimit(resource.RLIMIT_AS, (caps[task], caps[task]))
+    if mode.startswith("single"):
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        strategy = tf.distribute.get_strategy()
+    else:
+        from tfdist.cluster import ClusterConfig
+
+        devices = ClusterConfig.from_env().start(threads=1)
+        import keras
+        import keras_hub
+
+        import tfdist.distribution as td
+
+        shape = tuple(int(n) for n in sys.argv[2].split("x"))
+        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+        strategy = td.ModelParallel(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+                                    batch_dim_name="batch", devices=devices,
+                                    initialize_shards=True)
+    import keras
+    import keras_hub
+
+    from tfdist import checkpoint
+    from tfdist.testing.memory import device_bytes
+
+    config = TINY if mode.endswith("idle") else CONFIG
+    x, y = _data(config)
+    print(f"big_model {mode} started: building the backbone", flush=True)
+    with strategy.scope():
+        model = keras_hub.models.GemmaBackbone(**config)
+        model.compile(keras.optimizers.Adam(1e-4), "mse")
+        model.optimizer.build(model.trainable_variables)
+    assert model.count_params() == parameter_count(config), (model.count_params(),
+                                                            parameter_count(config))
+    bytes_per_device = [device_bytes(model, i) for i in range(1 if mode.startswith("single") else 2)]
+    fields = dict(device_bytes=bytes_per_device, built_peak=_job_status("VmPeak"))
+    if mode == "resume":
+        path = sys.argv[3]
+        checkpoint.load(model, path)
+        saved = json.load(open(os.path.join(os.path.dirname(path), "sums.json")))
+        restored = _sums(model)
+        fields["restored_max_relative_diff"] = max(
+            abs(a - b) / max(abs(b), 1e-30) for a, b in zip(restored, saved))
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    fields["loss"] = history["loss"]
+    fields["fit_peak"] = _job_status("VmPeak")
+    if mode == "train":
+        path = sys.argv[3]
+        checkpoint.save(model, path)
+        fields["save_peak"] = _job_status("VmPeak")
+        json.dump(_sums(model), open(os.path.join(os.path.dirname(path), "sums.json"), "w"))
+    _report(**fields)
+
+
+if __name__ == "__main__":
+    main()
