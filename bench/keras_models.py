@@ -9,9 +9,11 @@ Each case is a fresh job started with tfdist.launch, one process per core
   each gathered weight gathered again for the backward pass (the default) and
   kept from the forward pass (`reshard_after_forward=False`);
 - tensor parallel over 2 processes: the same map on `(batch 1, model 2)`;
-- ZeRO over 2 processes: data parallelism with `zero_stage=2` (Adam's slots and
-  the gradients split over the processes, a kept whole copy of each weight
-  all-gathered after every step) and `zero_stage=3` (weights split too);
+- ZeRO over 2 processes: data parallelism with `zero_stage=1` (Adam's slots
+  split over the processes, gradients all-reduced whole in the fused buckets,
+  every weight's new shard all-gathered into its kept whole copy after each
+  step, in one flat buffer), `zero_stage=2` (gradients reduce-scattered per
+  weight instead) and `zero_stage=3` (weights split too, gathered on read);
 - idle: the same job building no model (the memory baseline).
 
 Reported per case: steps/s and the ratio to one process and to data
@@ -38,10 +40,12 @@ CONFIG = dict(vocabulary_size=8192, num_layers=2, num_query_heads=4, num_key_val
 CASES = {  # name: (processes, mesh shape or None, ModelParallel options)
     "one": (1, None, {}), "data_parallel": (2, "dp", {}), "fsdp": (2, (2, 1), {}),
     "fsdp_kept": (2, (2, 1), {"reshard_after_forward": False}),
-    "tensor_parallel": (2, (1, 2), {}), "zero2": (2, "dp", {"zero_stage": 2}),
+    "tensor_parallel": (2, (1, 2), {}), "zero1": (2, "dp", {"zero_stage": 1}),
+    "zero2": (2, "dp", {"zero_stage": 2}),
     "zero3": (2, "dp", {"zero_stage": 3}), "idle": (2, "idle", {}),
 }
-REPORTED = ("one", "data_parallel", "fsdp", "fsdp_kept", "tensor_parallel", "zero2", "zero3")
+REPORTED = ("one", "data_parallel", "fsdp", "fsdp_kept", "tensor_parallel", "zero1", "zero2",
+            "zero3")
 
 
 def _peak_rss_of_job():
@@ -169,9 +173,11 @@ def main():
               f"{one['s_per_step'] / r['s_per_step']:>7.2f}x{dp['s_per_step'] / r['s_per_step']:>6.2f}x"
               f"{max(r['device_bytes']):>22,}{max(r['device_bytes']) / one_bytes:>8.2f}  "
               f"{', '.join(above)}")
-    if "zero2" in results:
-        zero, slots = results["zero2"], dp["slot_bytes"][0]
-        print(f"ZeRO-2 targets: Adam slot bytes/device 1/2 of data parallel's "
+    for name in ("zero1", "zero2"):
+        if name not in results:
+            continue
+        zero, slots = results[name], dp["slot_bytes"][0]
+        print(f"ZeRO-{name[-1]} targets: Adam slot bytes/device 1/2 of data parallel's "
               f"({max(zero['slot_bytes']):,} / {slots:,} = {max(zero['slot_bytes']) / slots:.3f}), "
               f"step <= 1.1x data parallel ({zero['s_per_step'] / dp['s_per_step']:.2f}x)")
     if not {"fsdp", "fsdp_kept", "tensor_parallel"} <= set(results):

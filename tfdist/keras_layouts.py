@@ -32,18 +32,19 @@ class KerasLayouts:
         reshard_after_forward: FSDP weights of the layers tfdist knows are
             gathered again for the backward pass (see `ModelParallel`).
         zero_stage: 0, or ZeRO's stage for trainable weights the map does not
-            split over the batch axis (see `ModelParallel`): 2 (or 1) stores
-            them split over the batch axis too, with a kept whole copy
-            (`keeps_whole`); 3 stores them split, gathered when read (FSDP).
+            split over the batch axis (see `ModelParallel`): 1 and 2 store them
+            split over the batch axis too, with a kept whole copy
+            (`keeps_whole`), stage 1 all-reducing their gradients whole, stage 2
+            reduce-scattering them; 3 stores them split, gathered when read (FSDP).
     """
 
     def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str,
                  initialize_shards: bool = False, reshard_after_forward: bool = True,
                  zero_stage: int = 0):
         if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0 (off), 1 or 2 (optimizer states and "
-                             f"gradients split over the batch axis, weights kept whole) or 3 "
-                             f"(weights split too); received zero_stage={zero_stage!r}.")
+            raise ValueError(f"zero_stage must be 0 (off), 1 (optimizer states split over "
+                             f"the batch axis, weights kept whole), 2 (gradients split too) "
+                             f"or 3 (weights split too); received zero_stage={zero_stage!r}.")
         self.zero_stage = int(zero_stage)
         self.initialize_shards = bool(initialize_shards)
         self.reshard_after_forward = bool(reshard_after_forward)

@@ -73,7 +73,7 @@ def read_in_replica(layout, shard):
     return _gather(tf.convert_to_tensor(shard), layout, gather)  # the read the tape records
 
 
-def read_kept(shard, whole, axis: str, dim: int, base=None):
+def read_kept(shard, whole, axis: str, dim: int, base=None, whole_gradient: bool = False):
     """A ZeRO-1/2 weight read in a replica: its kept copy, gradient to the shard.
 
     Args:
@@ -84,18 +84,35 @@ def read_kept(shard, whole, axis: str, dim: int, base=None):
         axis, dim: the batch axis ZeRO splits the weight over, and where.
         base: the weight's layout without ZeRO (None: replicated); its split
             dimensions are gathered as `read_in_replica` gathers them.
+        whole_gradient: ZeRO-1: the gradient reaching `shard` is this replica's
+            whole, unreduced gradient of the copy (shaped like `whole`, not like
+            `shard`), which the strategy all-reduces with the replicated
+            weights' gradients and then cuts to the shard
+            (`tfdist.internal.mesh_extended`).
 
     Returns:
         The shard itself under `local_axes(axis)` (the optimizer's reads);
         otherwise the kept copy, differentiated as an all-gather of `shard`
-        (its gradient is reduce-scattered: ZeRO-2), then gathered as `base`
-        needs.
+        (its gradient is reduce-scattered: ZeRO-2) or passed on whole (ZeRO-1),
+        then gathered as `base` needs.
     """
     if axis in getattr(_state, "local", frozenset()):
         return shard
-    value = collectives.gathered_as(tf.convert_to_tensor(shard), tf.convert_to_tensor(whole),
-                                    axis, dim)
+    if whole_gradient:
+        value = _passed_on_whole(tf.convert_to_tensor(shard), tf.convert_to_tensor(whole))
+    else:
+        value = collectives.gathered_as(tf.convert_to_tensor(shard),
+                                        tf.convert_to_tensor(whole), axis, dim)
     return value if base is None else read_in_replica(base, value)
+
+
+@tf.custom_gradient
+def _passed_on_whole(shard, whole):
+    """`whole`; its gradient goes to `shard` unreduced and whole-shaped (ZeRO-1)."""
+    def grad(dy):
+        return dy, None
+
+    return tf.identity(whole), grad
 
 
 def _gather(value, layout, axes):

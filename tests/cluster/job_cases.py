@@ -55,6 +55,39 @@ def plain_embedding(strategy):
         batch_size=16, steps=STEPS, rtol=1e-5)
 
 
+def keras_mlp():
+    """A plain Keras model of the copy task: Embedding, LayerNormalization, two Dense."""
+    ids = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(16, 8)(ids)
+    x = keras.layers.LayerNormalization()(x)
+    h = keras.layers.Dense(32, activation="relu")(x)
+    return keras.Model(ids, keras.layers.Dense(16)(h))
+
+
+def zero(strategy):
+    """ZeRO-1 and ZeRO-2 over the strategy's devices (data parallel, `zero_stage`): a plain
+    Keras model with clipping, Adam's slots (and for stage 2 the gradients) split over
+    every device."""
+    import tfdist.distribution as td
+
+    reports = []
+    for stage in (1, 2):
+        zero_strategy = td.DataParallel(devices=list(strategy.extended.worker_devices),
+                                        zero_stage=stage)
+        x, y = make_copy_task(STEPS * 16)
+        reports.append(f"stage {stage}: " + str(assert_equivalent(
+            keras_mlp, zero_strategy, x, y, reference=keras_mlp,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.5),
+            batch_size=16, steps=STEPS, rtol=1e-5)))
+        with zero_strategy.scope():
+            model = keras_mlp()
+        n = zero_strategy.num_replicas_in_sync
+        kernel = model.layers[-1].kernel.value  # (32, 16), split on dimension 0
+        assert [tuple(c.shape) for c in kernel.values] == [(32 // n, 16)] * len(kernel.values)
+    return "; ".join(reports)
+
+
 def keras_options(strategy):
     """Keras's conditional updates together: accumulation, EMA overwrite, decay, clipping."""
     x, y = make_copy_task(STEPS * 16)

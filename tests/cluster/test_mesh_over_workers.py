@@ -31,7 +31,8 @@ def launch(*args, timeout=300):
     # remat over workers: once (1 of 3 runs) worker 1 aborted in TF's C++
     # (std::length_error, basic_string::_M_create) as the remat case's first graph ran;
     # not understood yet, so recomputation over processes is tested over Horovod ranks.
-    (2, 2, "data:2;model:2", "token_mlp,xc_head,plain_embedding,sharded_checkpoint"),
+    # zero: ZeRO-2 over the 4 devices of the 2 workers.
+    (2, 2, "data:2;model:2", "token_mlp,xc_head,plain_embedding,sharded_checkpoint,zero"),
 ])
 def test_mesh_over_two_workers_matches_single_device(workers, devices, mesh, cases):
     result = launch("--num_workers", str(workers), "--devices_per_worker", str(devices), "--",

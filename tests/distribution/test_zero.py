@@ -44,7 +44,7 @@ def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-@pytest.mark.parametrize("devices,stage", [(2, 2), (4, 2), (4, 3)])
+@pytest.mark.parametrize("devices,stage", [(2, 1), (4, 1), (4, 2), (4, 3)])
 def test_data_parallel_zero_matches_one_device(devices, stage):
     report = assert_equivalent(token_model, data_parallel(devices, stage), *data(),
                                reference=token_model, loss=loss(),
@@ -53,15 +53,17 @@ def test_data_parallel_zero_matches_one_device(devices, stage):
     print(f"ZeRO-{stage} over {devices} devices:", report)
 
 
-def test_zero_on_top_of_a_layout_map_matches_one_device():
-    """2x2, tensor parallel and FSDP by the map; ZeRO splits the rest over `batch`."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_top_of_a_layout_map_matches_one_device(stage):
+    """2x2, tensor parallel and FSDP by the map; ZeRO splits the rest over `batch`
+    (ZeRO-1 sums a tensor-parallel weight's whole gradient over its shard's owners)."""
     strategy = td.ModelParallel(layout_map=functional_layout_map(keras_mesh((2, 2))),
-                                zero_stage=2)
+                                zero_stage=stage)
     x, y = data(80)
     report = assert_equivalent(functional_model, strategy, x, (y % 5), reference=functional_model,
                                loss=loss(), optimizer=lambda: keras.optimizers.Adam(1e-2),
                                batch_size=8, steps=10)
-    print("ZeRO-2 on the 2x2 layout map:", report)
+    print(f"ZeRO-{stage} on the 2x2 layout map:", report)
     with strategy.scope():
         model = functional_model()
     mha_kernel = next(v for v in model.weights if v.path == "mha/query/kernel")
@@ -87,8 +89,8 @@ def _slot_bytes(model, device):
     return total
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_slots_are_one_nth_per_device_and_weights_kept_whole_only_at_stage_2(stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_slots_are_one_nth_per_device_and_weights_kept_whole_below_stage_3(stage):
     reference = _built(data_parallel(1, 0))
     plain = _built(data_parallel(4, 0))
     model = _built(data_parallel(4, stage))
@@ -97,7 +99,7 @@ def test_slots_are_one_nth_per_device_and_weights_kept_whole_only_at_stage_2(sta
         shard = (full[0] // 4,) + full[1:]
         assert [tuple(c.shape) for c in v.value.values] == [shard] * 4, v.path
         kept = v.value._tfdist_kept
-        if stage == 2:
+        if stage < 3:
             assert [tuple(c.shape) for c in kept.copy.values] == [full] * 4, v.path
         else:
             assert kept is None
@@ -107,32 +109,33 @@ def test_slots_are_one_nth_per_device_and_weights_kept_whole_only_at_stage_2(sta
     assert slots == [(_slot_bytes(reference, 0) - scalars) // 4 + scalars] * 4
     assert _slot_bytes(plain, 0) == _slot_bytes(reference, 0)
     weights = sum(w.size * 4 for w in reference.get_weights())
-    expected = weights + weights // 4 if stage == 2 else weights // 4  # copy + shard, or shard
+    expected = weights + weights // 4 if stage < 3 else weights // 4  # copy + shard, or shard
     assert device_bytes(model, 0) - slots[0] == expected
     print(f"ZeRO-{stage}, 4 devices: weights+copy {device_bytes(model, 0) - slots[0]} B, "
           f"slots {slots[0]} B per device; plain data parallel: weights {weights} B, slots "
           f"{_slot_bytes(plain, 0)} B")
 
 
-def test_stage_2_reads_its_kept_copy_and_gathers_each_weight_once_per_step():
-    """ZeRO-2 all-gathers each weight once per step, after the update (into its copy);
-    ZeRO-3 gathers on every read (Dense and Embedding again for the backward pass);
-    plain data parallelism never."""
+def test_stages_1_and_2_read_their_kept_copies_and_gather_once_per_step():
+    """ZeRO-1/2 all-gather every weight's new shard once per step, all in one flat
+    buffer (into the copies); ZeRO-3 gathers each weight on every read (Dense and
+    Embedding again for the backward pass); plain data parallelism never."""
     x, y = data(8)
-    gathered = {}
-    for stage in (0, 2, 3):
+    counts = {}
+    for stage in (0, 1, 2, 3):
         strategy = data_parallel(2, stage)
         model = _built(strategy)
         with recorded_all_gathers(strategy) as shapes:
             model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-        shards = [(1,) + tuple(v.value.values[0].shape) for v in model.trainable_weights] * 2
-        # (one gather per replica: both replicas run in this process)
-        # (the Embedding's sparse gradient gathers its ids and rows: other shapes)
-        gathered[stage] = sorted(s for s in shapes if s in set(shards))
-        if stage == 2:
-            assert gathered[2] == sorted(shards)
-    assert gathered[0] == [] and len(gathered[3]) > len(gathered[2])
-    print({stage: len(g) for stage, g in gathered.items()}, "weight gathers per step")
+        shards = [(1,) + tuple(v.value.values[0].shape) for v in model.trainable_weights]
+        flat = (1, 1, sum(int(np.prod(s)) for s in shards))
+        # (one gather per replica: both replicas run in this process; the Embedding's
+        # sparse ZeRO-2 gradient gathers its ids and rows: other shapes)
+        counts[stage] = (sum(s in set(shards) for s in shapes), shapes.count(flat))
+    assert counts[0] == (0, 0)
+    assert counts[1] == (0, 2) and counts[2] == (0, 2)
+    assert counts[3][0] > len(model.trainable_weights) * 2 and counts[3][1] == 0
+    print({stage: c for stage, c in counts.items()}, "(weight gathers, flat gathers) per step")
 
 
 def _fit(model, x, y, optimizer, batch_size=8, epochs=1):
@@ -141,9 +144,10 @@ def _fit(model, x, y, optimizer, batch_size=8, epochs=1):
                      verbose=0).history["loss"]
 
 
-def test_training_options_and_a_partial_last_batch_match_one_device():
+@pytest.mark.parametrize("stage", [1, 2])
+def test_training_options_and_a_partial_last_batch_match_one_device(stage):
     """global_clipnorm, EMA with overwrite (an assignment outside the update: the copy
-    follows it), gradient accumulation and a 4-row last batch, ZeRO-2 over 4."""
+    follows it), gradient accumulation and a 4-row last batch, ZeRO-1 and 2 over 4."""
     x, y = data(76)
 
     def optimizer():
@@ -153,7 +157,7 @@ def test_training_options_and_a_partial_last_batch_match_one_device():
 
     keras.utils.set_random_seed(0)
     reference = token_model()
-    strategy = data_parallel(4, 2)
+    strategy = data_parallel(4, stage)
     with strategy.scope():
         model = token_model()
         model.set_weights(reference.get_weights())

@@ -91,22 +91,24 @@ class ModelParallel(MeshStrategy):
             map), on a batch axis of N > 1 devices:
 
             - 0 (default): they are replicated, as in plain data parallelism.
-            - 1 or 2: each is *stored* split over the batch axis on its first
+            - 1: each is *stored* split over the batch axis on its first
               dimension that divides by N, so its optimizer slots (and
-              gradient accumulators, EMA averages) are 1/N per device, and its
-              gradient is reduce-scattered to the shards (ZeRO-2; in a graph
-              step the gradient buffer stage 1 would keep whole is freed once
-              scattered, so the two stages are one). Replicas read a kept
-              whole copy, refreshed by an all-gather of the new shards after
-              each optimizer step: the same communication as one all-reduce
-              and results exactly those of data parallelism.
+              gradient accumulators, EMA averages) are 1/N per device.
+              Replicas read a kept whole copy, refreshed after each optimizer
+              step by one all-gather of every weight's new shard (a flat
+              buffer). Gradients are all-reduced whole, fused with the
+              replicated weights' as in data parallelism, and each device
+              keeps its slice.
+            - 2: as 1, but each gradient is reduce-scattered to the shards in
+              the backward pass (gradients 1/N too; one collective per weight).
             - 3: stored split and gathered when read, as a `LayoutMap` entry on
               the batch axis would (FSDP / ZeRO-3): weights 1/N too, a gather
               per read.
 
-            Weights with no dimension divisible by N (a scalar, an odd-sized
-            bias) and non-trainable variables stay replicated. Checkpoints
-            hold global tensors, as always.
+            Results are exactly those of data parallelism. Weights with no
+            dimension divisible by N (a scalar, an odd-sized bias) and
+            non-trainable variables stay replicated. Checkpoints hold global
+            tensors, as always.
         **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
             `max_shapes`).
 

@@ -65,6 +65,10 @@ class KeptWhole:
     base: Optional[TensorLayout]
     axis: str
     dim: int
+    whole_gradient: bool = False
+    """ZeRO-1: replicas hand the strategy the weight's whole local gradient, which
+    `ShardRouting.reduce_gradients` all-reduces (fused with the replicated weights')
+    and then slices; ZeRO-2 (False): reduce-scattered in the backward pass."""
 
 
 class ShardedVariable(values.MirroredVariable):
@@ -109,7 +113,8 @@ class ShardedVariable(values.MirroredVariable):
             kept = self._tfdist_kept
             if kept is not None:
                 return weight_reads.read_kept(self._values[replica_id], kept.copy.values[replica_id],
-                                              kept.axis, kept.dim, kept.base)
+                                              kept.axis, kept.dim, kept.base,
+                                              whole_gradient=kept.whole_gradient)
             return weight_reads.read_in_replica(self._tfdist_layout, self._values[replica_id])
         return self._values[replica_id]
 
@@ -197,22 +202,35 @@ class ShardedVariable(values.MirroredVariable):
 
 
 def refresh_kept_in_replica(variables) -> None:
-    """In a replica, after an optimizer step: each ZeRO weight's kept copy gathered anew.
+    """In a replica, after an optimizer step: the ZeRO weights' kept copies gathered anew.
 
-    Each device all-gathers its weight's new shard over the batch axis (ZeRO's
-    all-gather of the updated parameters) into its component of the copy.
+    ZeRO's all-gather of the updated parameters, fused: this device's new
+    shards of every weight kept whole over the same axis (and of one dtype)
+    travel flattened in one all-gather, and each device rebuilds every whole
+    weight from the gathered pieces into its component of the copy.
     """
-    replica = None
+    groups = {}
     for variable in variables:
         var = variable if isinstance(variable, tf.Variable) else variable.value  # Keras's
         kept = getattr(var, "_tfdist_kept", None)
-        if kept is None:
-            continue
-        if replica is None:
-            replica = values_util.get_current_replica_id_as_int()
-        shard = var.values[replica].read_value()
-        kept.copy.values[replica].assign(collectives.all_gather(shard, kept.axis, dim=kept.dim),
-                                         read_value=False)
+        if kept is not None:
+            groups.setdefault((kept.axis, var.dtype), []).append(var)
+    if not groups:
+        return
+    replica = values_util.get_current_replica_id_as_int()
+    for (axis, _), group in groups.items():
+        shards = [v.values[replica].read_value() for v in group]
+        flat = tf.concat([tf.reshape(s, [-1]) for s in shards], axis=0)
+        gathered = collectives.all_gather(flat[tf.newaxis], axis, dim=0)  # [N, total]
+        n = collectives.axis_size(axis)
+        offset = 0
+        for var, shard in zip(group, shards):
+            size = shard.shape.num_elements()
+            pieces = tf.reshape(gathered[:, offset:offset + size], [n] + shard.shape.as_list())
+            kept = var._tfdist_kept
+            whole = tf.concat(tf.unstack(pieces, num=n), axis=kept.dim)
+            kept.copy.values[replica].assign(whole, read_value=False)
+            offset += size
 
 
 def assemble_global(layout: TensorLayout, shards):
@@ -270,6 +288,49 @@ def _drop_padding(slices):
                             tf.boolean_mask(slices.indices, keep), slices.dense_shape)
 
 
+def _whole_gradient(var) -> bool:
+    kept = getattr(var, "_tfdist_kept", None)
+    return kept is not None and kept.whole_gradient
+
+
+def _reduction_groups(var, everyone):
+    """The device groups a sharded variable's gradient is summed over.
+
+    A shard's owners; for a ZeRO-1 weight, whose replicas hand over their whole
+    gradients, the owners of the `LayoutMap`'s own layout (all devices when it
+    is replicated): the sum is then cut to each device's shard (`_own_slice`).
+    """
+    if not _whole_gradient(var):
+        return var.layout.shard_owner_groups()
+    base = var._tfdist_kept.base
+    return base.shard_owner_groups() if base is not None else [everyone]
+
+
+def _own_slice(reduced, var, index):
+    """A ZeRO-1 weight's reduced whole gradient cut to device `index`'s shard; else as is.
+
+    A sparse one (`IndexedSlices` rows, a Keras `Embedding`) stays sparse, as
+    Keras's optimizers need it: split rows keep the entries of this device's
+    rows, renumbered; split columns keep this device's columns of each entry.
+    """
+    if not _whole_gradient(var):
+        return reduced
+    kept = var._tfdist_kept
+    n = var.layout.mesh_shape.axis_size(kept.axis)
+    position = var.layout.mesh_shape.coordinates(index)[kept.axis]
+    if not isinstance(reduced, tf.IndexedSlices):
+        return tf.split(reduced, n, axis=kept.dim)[position]
+    dense_shape = tf.constant(var.layout.local_shape, reduced.dense_shape.dtype)
+    if kept.dim > 0:
+        return tf.IndexedSlices(tf.split(reduced.values, n, axis=kept.dim)[position],
+                                reduced.indices, dense_shape)
+    rows = var.layout.local_shape[0]
+    local = reduced.indices - tf.cast(position * rows, reduced.indices.dtype)
+    held = (local >= 0) & (local < rows)
+    return tf.IndexedSlices(tf.boolean_mask(reduced.values, held), tf.boolean_mask(local, held),
+                            dense_shape)
+
+
 def _dense(value, var, i):
     """A gradient as a dense tensor of component `i` of `var`'s static shape.
 
@@ -281,6 +342,8 @@ def _dense(value, var, i):
     """
     value = tf.convert_to_tensor(value)
     shape = (var.values[i] if isinstance(var, values.DistributedValues) else var).shape
+    if _whole_gradient(var):  # ZeRO-1: the whole gradient, the map's layout's shape
+        shape = var._tfdist_kept.copy.values[i].shape
     if not value.shape.is_fully_defined():
         value = tf.ensure_shape(value, shape)
     return value
@@ -451,7 +514,8 @@ class ShardRouting:
             copy = self._create_replicated_variable(next_creator, **copy_kwargs)
         else:
             copy = self._create_sharded_variable(next_creator, base, **copy_kwargs)
-        return KeptWhole(copy=copy, base=base, axis=axis, dim=dim)
+        return KeptWhole(copy=copy, base=base, axis=axis, dim=dim,
+                         whole_gradient=self.keras_layouts.zero_stage == 1)
 
     @staticmethod
     def _slot_layout(primary: ShardedVariable, kwargs):
@@ -593,7 +657,7 @@ class ShardRouting:
             components.append(parts)
             if isinstance(var, ShardedVariable):
                 routed.add(id(var))
-                groups = var.layout.shard_owner_groups()
+                groups = _reduction_groups(var, everyone)
             if all(isinstance(c, tf.IndexedSlices) for c in parts):
                 sparse.append(k)
                 continue
@@ -612,15 +676,15 @@ class ShardRouting:
                     var = grads_and_vars[k][1]
                     group = everyone
                     if isinstance(var, ShardedVariable):
-                        group = next(g for g in var.layout.shard_owner_groups() if index in g)
-                    reduced[k][i] = _drop_padding(
-                        self._gather_slices(components[k][i], index, tuple(group)))
+                        group = next(g for g in _reduction_groups(var, everyone) if index in g)
+                    reduced[k][i] = _own_slice(_drop_padding(
+                        self._gather_slices(components[k][i], index, tuple(group))), var, index)
                 for group, positions in plan[i].items():
                     positions = positions[::-1]
                     dense = [_dense(components[k][i], grads_and_vars[k][1], i)
                              for k in positions]
                     for k, r in zip(positions, self.backend.batch_all_reduce(dense, index, group)):
-                        reduced[k][i] = r
+                        reduced[k][i] = _own_slice(r, grads_and_vars[k][1], index)
         if clipping is not None and clipping.active:
             self._clip(clipping, reduced, [v for _, v in grads_and_vars])
         return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))

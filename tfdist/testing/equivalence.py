@@ -111,6 +111,9 @@ def _global_gradients(strategy, model, loss_fn, x, y):
             raise AssertionError(f"no gradient for {var.path}: {grad}")
         shards = _per_device(strategy, grad)
         layout = getattr(var.value, "layout", None)
+        kept = getattr(var.value, "_tfdist_kept", None)
+        if kept is not None and kept.whole_gradient:  # ZeRO-1: whole gradients, the map's layout
+            layout = kept.base
         if layout is None:
             result.append(np.sum(shards, axis=0))
             continue
