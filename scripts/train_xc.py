@@ -5,8 +5,9 @@
 
 Data: a built-in synthetic task (class prototypes plus noise, Zipf class
 frequencies) or XMC/libsvm files (--train_file/--test_file). Writes the
-config, a global checkpoint and TensorBoard logs to --model_dir; prints
-held-out top-1/top-5 accuracy.
+config, a checkpoint (--checkpoint_format) and TensorBoard logs to --model_dir,
+with a backup every --backup_every steps that a run with the same --model_dir
+resumes from, on any mesh; prints held-out top-1/top-5 accuracy.
 """
 
 import dataclasses
@@ -45,6 +46,9 @@ def define_flags():
     flags.DEFINE_integer("eval_examples", defaults.eval_examples, "Synthetic held-out examples.")
     flags.DEFINE_integer("seed", defaults.seed, "Seed.")
     flags.DEFINE_string("model_dir", None, "Where to write config, checkpoint and logs.")
+    flags.DEFINE_integer("backup_every", defaults.backup_every,
+                         "With --model_dir: back up every so many steps (0: once, at the "
+                         "end); a run with the same --model_dir resumes from the newest.")
     validate_mesh_flags()
     define_cluster_flags()
     define_checkpoint_flags()
@@ -60,7 +64,8 @@ def main(argv):
             d_model=FLAGS.d_model, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
             learning_rate=FLAGS.learning_rate, label_smoothing=FLAGS.label_smoothing,
             sample_rate=FLAGS.sample_rate, train_file=FLAGS.train_file, test_file=FLAGS.test_file,
-            eval_examples=FLAGS.eval_examples, seed=FLAGS.seed).validate()
+            eval_examples=FLAGS.eval_examples, seed=FLAGS.seed,
+            backup_every=FLAGS.backup_every).validate()
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     mesh = config.mesh.mesh()
@@ -78,7 +83,7 @@ def main(argv):
     from tfdist import checkpoint
     from tfdist.data.xc import read_xmc, synthetic_batch
     from tfdist.layers import ShardedSoftmax, ShardedSparseCategoricalCrossentropy, ShardedTopKAccuracy
-    from tfdist.callbacks import is_chief
+    from tfdist.callbacks import BackupAndRestore, is_chief
 
     C = config.num_classes
     if config.train_file:
@@ -124,7 +129,19 @@ def main(argv):
             json.dump(dataclasses.asdict(config), f, indent=2)
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(FLAGS.model_dir, "logs")))
     train_x = (x, y) if config.sample_rate < 1 else x
-    train_model.fit(train_x, y, batch_size=config.batch_size, shuffle=False, verbose=2, callbacks=callbacks)
+    every = config.backup_every or config.steps
+    done = 0
+    if FLAGS.model_dir:  # an epoch per backup; a rerun resumes after the newest
+        backup = BackupAndRestore(os.path.join(FLAGS.model_dir, checkpoint.BACKUP_DIR),
+                                  delete_checkpoint=False,
+                                  checkpoint_format=FLAGS.checkpoint_format)
+        callbacks.insert(0, backup)
+        done = backup.latest_epoch() + 1
+    import tensorflow as tf
+
+    batches = tf.data.Dataset.from_tensor_slices((train_x, y)).batch(config.batch_size)
+    train_model.fit(batches.skip(done * every), epochs=config.steps // every,
+                    steps_per_epoch=every, verbose=2, callbacks=callbacks)
     result = model.evaluate(x_test, y_test, batch_size=config.batch_size, verbose=0, return_dict=True)
     print(f"held-out top-1 {result['top1_accuracy']:.3f}, top-5 {result['top5_accuracy']:.3f} "
           f"(loss {result['loss']:.3f}, {len(x_test)} examples)")

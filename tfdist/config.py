@@ -93,6 +93,8 @@ class XCConfig:
         train_file, test_file: XMC/libsvm files; synthetic data when unset.
         eval_examples: held-out examples for top-1/top-5.
         seed: data and initial weights.
+        backup_every: with a model directory, a backup (and a resume point)
+            every so many steps; 0: one, at the end.
     """
 
     mesh: MeshConfig = MeshConfig("data:1;model:2", "batch:data;classes:model")
@@ -107,6 +109,7 @@ class XCConfig:
     test_file: str = ""
     eval_examples: int = 2048
     seed: int = 0
+    backup_every: int = 0
 
     def validate(self) -> "XCConfig":
         mesh = self.mesh.mesh()
@@ -114,6 +117,10 @@ class XCConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
+        every = self.backup_every
+        if not isinstance(every, int) or every < 0 or (every and self.steps % every):
+            raise ValueError(f"backup_every must be 0 or a positive divisor of steps="
+                             f"{self.steps}; received backup_every={every!r}.")
         if self.batch_size % mesh.size:
             raise ValueError(
                 f"batch_size={self.batch_size} does not divide by the {mesh.size} "

@@ -14,8 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_synthetic_run_learns_writes_outputs_and_sampling_converges(run_script, tmp_path):
-    result = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40", "--batch_size=64",
-                  "--mesh_shape=data:1;model:2", "--eval_examples=1001", f"--model_dir={tmp_path}")
+    result = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40",
+                        "--batch_size=64", "--mesh_shape=data:1;model:2", "--eval_examples=1001",
+                        "--backup_every=20", "--checkpoint_format=sharded",
+                        f"--model_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "head kernel (32, 2000) -> (32, 1000) per device" in result.stdout
     line = next(l for l in result.stdout.splitlines() if l.startswith("held-out"))
@@ -23,7 +25,21 @@ def test_synthetic_run_learns_writes_outputs_and_sampling_converges(run_script, 
     top1 = float(line.split()[2].rstrip(","))
     assert top1 > 0.3  # chance is 1/2000
     assert json.load(open(tmp_path / "config.json"))["num_classes"] == 2000
-    assert (tmp_path / "model.npz").exists() and os.listdir(tmp_path / "logs")
+    assert (tmp_path / "model.shards").exists() and os.listdir(tmp_path / "logs")
+    assert os.listdir(tmp_path / "backup") == ["epoch-1.shards"]  # the newest of epochs 0, 1
+
+    # Resumed from that backup on another mesh (the head whole on each of 2 devices):
+    # only the 20 new steps of a 60-step run train.
+    again = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=60",
+                       "--batch_size=64", "--mesh_shape=data:2;model:1", "--eval_examples=1001",
+                       "--backup_every=20", "--checkpoint_format=sharded",
+                       f"--model_dir={tmp_path}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout and "Epoch 3/3" in again.stdout
+    assert "Epoch 1/3" not in again.stdout and "Epoch 2/3" not in again.stdout
+    resumed_top1 = float(next(l for l in again.stdout.splitlines()
+                              if l.startswith("held-out")).split()[2].rstrip(","))
+    assert resumed_top1 >= top1 - 0.02  # trained on from the backup, not from scratch
 
     # Class-centre sampling (10% of each shard's classes) lands within a few points.
     sampled = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40",
@@ -70,7 +86,7 @@ def test_runs_over_two_worker_processes(strategy, tmp_path):
     assert all("1001 examples" in line for line in held_out)  # a partial last batch of 41
     if strategy == "mesh":
         assert "(32, 2000) -> (32, 1000) per device" in result.stdout  # one shard per process
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "logs", "model.npz"]
+    assert sorted(os.listdir(tmp_path)) == ["backup", "config.json", "logs", "model.npz"]
 
 
 @pytest.mark.parametrize(
@@ -100,6 +116,8 @@ def test_bad_cluster_gives_one_clear_error(env, flags, fragment, tmp_path, monke
         (["--batch_size=7"], "batch_size=7 does not divide by the 2 devices"),
         (["--sample_rate=1.5"], "sample_rate must be in (0, 1]; received 1.5"),
         (["--mesh_shape=data:1;model"], "Malformed mesh shape pair 'model'"),
+        (["--steps=10", "--backup_every=3"],
+         "backup_every must be 0 or a positive divisor of steps=10; received backup_every=3"),
     ],
 )
 def test_bad_flags_give_one_clear_error(run_script, flags, fragment):
