@@ -26,11 +26,13 @@ def launch(*args, timeout=300):
 @pytest.mark.parametrize("workers, devices, mesh, cases", [
     # sharded_options and fit_options over processes: tests/cluster/test_horovod.py's
     # mesh jobs (the suite's time budget). keras_options trains the token MLP.
+    # remat: recomputation over processes, the model axis across them (collectives
+    # re-run in the backward pass). In the 2x2 job, once (1 of 3 runs, 2026-12-02)
+    # worker 1 aborted in TF's C++ (std::length_error, basic_string::_M_create) as
+    # its first graph ran; not reproduced in 5 runs since (alone or after the other
+    # cases), not understood, so it stays out of the 2x2 job.
     (2, 1, "data:1;model:2",
-     "xc_head,plain_embedding,keras_options,mixed_bfloat16,partial_batches"),
-    # remat over workers: once (1 of 3 runs) worker 1 aborted in TF's C++
-    # (std::length_error, basic_string::_M_create) as the remat case's first graph ran;
-    # not understood yet, so recomputation over processes is tested over Horovod ranks.
+     "xc_head,plain_embedding,keras_options,mixed_bfloat16,partial_batches,remat"),
     # zero: ZeRO-2 over the 4 devices of the 2 workers.
     (2, 2, "data:2;model:2", "token_mlp,xc_head,plain_embedding,sharded_checkpoint,zero"),
 ])
