@@ -1,7 +1,7 @@
 """A job for tests/cluster: Keras fit/evaluate/predict under multi-worker data parallelism.
 
 Run in every task with a TF_CONFIG (python -m tfdist.launch --num_workers 2 --
-tests/cluster/mw_job.py [--plain] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
+tests/cluster/mw_job.py [--plain] [--remat] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
 same small model as a single-process reference on the same global batches
 and prints the largest weight difference. The data are partial batches: 37
 rows in batches of 8 (the last 5 rows split unevenly over the workers) with
@@ -23,6 +23,9 @@ parser.add_argument("--backup", default="")
 parser.add_argument("--die_at_epoch", type=int, default=-1)
 parser.add_argument("--die_task", type=int, default=-1, help="Only this task dies (-1: all).")
 parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--remat", action="store_true",
+                    help="The distributed model recomputes its layers (keras.RematScope); the "
+                         "reference keeps activations.")
 args = parser.parse_args()
 
 import keras  # noqa: E402
@@ -42,10 +45,13 @@ y = rng.integers(0, 4, size=(ROWS,)).astype("int32")
 w = rng.uniform(0.5, 2.0, size=(ROWS,)).astype("float32")
 
 
-def build():
+def build(remat=False):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                              keras.layers.Dense(4)])
+    import contextlib
+
+    with keras.RematScope(mode="full") if remat else contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(4)])
     model.compile(keras.optimizers.Adam(0.01),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"],
@@ -61,7 +67,7 @@ class Die(keras.callbacks.Callback):
 
 
 with strategy.scope():
-    model = build()
+    model = build(remat=args.remat)
 callbacks = [Die()]
 if args.backup:
     callbacks.append(BackupAndRestore(args.backup))
@@ -83,4 +89,5 @@ print(f"task {task} chief={is_chief(strategy)}: weights rel diff {diff:.2e}, "
       f"predict diff {pred_diff:.2e}, predict rows {len(predictions)}, "
       f"loss {result['loss']:.6f} vs {expected['loss']:.6f}, "
       f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}, "
-      f"history diff {history_diff:.2e}, evaluate diff {metrics_diff:.2e}", flush=True)
+      f"history diff {history_diff:.2e}, evaluate diff {metrics_diff:.2e}, recomputed layers "
+      f"{sum(layer._remat_mode is not None for layer in model.layers)}", flush=True)

@@ -169,7 +169,7 @@ def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
     assert float(held_out[0]) > 0.3
     assert result.stdout.count("1001 examples)") == 2  # every example: a last batch of 41
     assert result.stdout.count("(32, 2000) -> (32, 1000) per device") == 2
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "logs", "model.npz"]
+    assert sorted(os.listdir(tmp_path)) == ["backup", "config.json", "logs", "model.npz"]
 
 
 KERAS_HUB_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_keras_hub_job.py")

@@ -28,7 +28,7 @@ def results(stdout):
     found = {}
     for m in re.finditer(r"task (\d) chief=(\w+): weights rel diff (\S+), predict diff (\S+), "
                          r"predict rows (\d+), loss (\S+) vs (\S+), .*history diff (\S+), "
-                         r"evaluate diff (\S+)", stdout):
+                         r"evaluate diff ([^,\s]+)", stdout):
         found[int(m[1])] = (m[2] == "True", float(m[3]), float(m[4]), int(m[5]), m[6], m[7],
                             float(m[8]), float(m[9]))
     return found
@@ -42,8 +42,9 @@ def test_plain_multi_worker_mirrored_strategy_fails_under_keras_3():
 
 def test_fit_evaluate_predict_match_one_process_on_every_worker():
     """37 rows, batch 8 (partial batches split unevenly), sample weights; evaluate's last
-    batch is one row, so one worker holds none."""
-    result = launch()
+    batch is one row, so one worker holds none. The workers' model recomputes its layers
+    in the backward pass (`keras.RematScope`); the reference keeps activations."""
+    result = launch("--remat")
     assert result.returncode == 0, result.stdout[-3000:]
     found = results(result.stdout)
     assert sorted(found) == [0, 1] and found[0][0] and not found[1][0]  # chief is task 0
@@ -52,6 +53,7 @@ def test_fit_evaluate_predict_match_one_process_on_every_worker():
         assert abs(float(loss) - float(reference)) < 1e-5
         assert history < 1e-5 and evaluation < 1e-5
     assert found[0][4] == found[1][4]  # evaluate is global: the same on both workers
+    assert re.findall(r"recomputed layers (\d+)", result.stdout) == ["2", "2"]
     print(result.stdout.splitlines()[-1])
 
 

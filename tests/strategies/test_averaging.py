@@ -15,8 +15,11 @@ def _data(n_steps, out=2, seed=0):
             rng.normal(size=(n_steps * BATCH, out)).astype("float32"))
 
 
-def _mlp():
+def _mlp(remat=False):
     keras.utils.set_random_seed(0)
+    if remat:  # every layer recomputed in the backward pass
+        with keras.RematScope(mode="full"):
+            return _mlp()
     return keras.Sequential([keras.Input((D,)), keras.layers.Dense(16, activation="tanh"),
                              keras.layers.Dense(2)])
 
@@ -25,15 +28,16 @@ def _copies(var):
     return [c.numpy() for c in var.value.values]
 
 
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_period_one_with_sgd_is_synchronous_sgd(replicas):
+@pytest.mark.parametrize("replicas, remat", [(2, False), (4, False), (2, True)])
+def test_period_one_with_sgd_is_synchronous_sgd(replicas, remat):
     x, y = _data(10)
     reference = _mlp()
     reference.compile(keras.optimizers.SGD(0.1), "mse")
     strategy = ModelAveragingStrategy(period=1, num_replicas=replicas)
     with strategy.scope():
-        model = _mlp()
+        model = _mlp(remat)
         model.compile(keras.optimizers.SGD(0.1), "mse")
+    assert all((layer._remat_mode is not None) == remat for layer in model.layers)
     model.set_weights(reference.get_weights())
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
