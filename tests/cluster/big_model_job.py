@@ -2,23 +2,22 @@
 
     python -m tfdist.launch --num_workers N --pin_cores -- \\
         tests/cluster/big_model_job.py MODE [SHAPE] [CHECKPOINT]
-    python tests/cluster/big_model_job.py single | single_idle
+    python tests/cluster/big_model_job.py single
 
-Every task caps its own address space (`RLIMIT_AS`) at the value the
-environment variable `TFDIST_TEST_AS_CAP` gives for its task index (a JSON
-list of bytes) before TensorFlow is imported. Modes:
+Every mode first builds and trains a tiny backbone (hidden size 8) the same
+way: each process's peak address space (`VmPeak`) then, with every thread and
+pool a step needs started, is its baseline. With `TFDIST_TEST_AS_BUDGET`
+(bytes) every process then caps its own address space (`RLIMIT_AS`) at its
+baseline plus that budget (workers, which run no program of their own, when the
+controller tells them through files in `TFDIST_TEST_SIGNAL_DIR`). Modes:
 
-- `idle SHAPE`: as `train`, with a tiny backbone (hidden size 8) and no
-  checkpoint: each task's peak address space (`VmPeak`) once the runtime has
-  started every thread a step needs, the baseline the caps are set from.
 - `train SHAPE CHECKPOINT`: a keras-hub Gemma backbone with its own layout map
   on a `(batch, model)` DeviceMesh of SHAPE ("1x2": tensor parallel, "2x1":
   FSDP), weights drawn shard by shard, trains 3 steps and saves a sharded
   checkpoint.
 - `resume SHAPE CHECKPOINT`: the same backbone on SHAPE loads the checkpoint
   (weights and Adam state), checks them against the saved sums, trains 2 steps.
-- `single`: the same backbone and training in one process, no strategy;
-  `single_idle`: its baseline, with the tiny backbone.
+- `single`: the same backbone and training in one process, no strategy.
 
 The controller prints one line `big_model MODE: {...}` (JSON: weight and slot
 bytes, loss, peak RSS and peak address space of every task).
@@ -119,20 +118,89 @@ def _sums(model):
     return out
 
 
+def _own_status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _cap_self(budget: int) -> int:
+    """Caps this process's address space at its peak so far plus `budget`; returns the cap."""
+    cap = _own_status("VmPeak") + budget
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return cap
+
+
+def _cap_when_told(signal_dir: str, task: int) -> None:
+    """On a worker (which runs no program of its own), a thread that caps the process once
+    the controller has run the tiny step: it waits for `cap-<task>` in `signal_dir`, caps
+    itself and answers with `capped-<task>` (the cap)."""
+    import threading
+    import time
+
+    def wait():
+        order = os.path.join(signal_dir, f"cap-{task}")
+        while not os.path.exists(order):
+            time.sleep(0.05)
+        cap = _cap_self(int(open(order).read()))
+        with open(os.path.join(signal_dir, f"capped-{task}.tmp"), "w") as f:
+            f.write(str(cap))
+        os.replace(os.path.join(signal_dir, f"capped-{task}.tmp"),
+                   os.path.join(signal_dir, f"capped-{task}"))
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
+def _cap_job(signal_dir: str, tasks: int, budget: int):
+    """On the controller: caps itself and orders every worker to; returns the caps."""
+    import time
+
+    caps = [_cap_self(budget)]
+    for task in range(1, tasks):
+        with open(os.path.join(signal_dir, f"cap-{task}.tmp"), "w") as f:
+            f.write(str(budget))
+        os.replace(os.path.join(signal_dir, f"cap-{task}.tmp"),
+                   os.path.join(signal_dir, f"cap-{task}"))
+    for task in range(1, tasks):
+        answer = os.path.join(signal_dir, f"capped-{task}")
+        deadline = time.time() + 60
+        while not os.path.exists(answer):
+            if time.time() > deadline:
+                raise TimeoutError(f"worker {task} did not cap itself within 60 s")
+            time.sleep(0.05)
+        caps.append(int(open(answer).read()))
+    return caps
+
+
+def _build(strategy, config):
+    import keras
+    import keras_hub
+
+    with strategy.scope():
+        model = keras_hub.models.GemmaBackbone(**config)
+        model.compile(keras.optimizers.Adam(1e-4), "mse")
+        model.optimizer.build(model.trainable_variables)
+    assert model.count_params() == parameter_count(config), (model.count_params(),
+                                                            parameter_count(config))
+    return model
+
+
 def main():
     global mode
     mode = sys.argv[1]
-    caps = json.loads(os.environ.get("TFDIST_TEST_AS_CAP", "null"))
     task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
-    if caps:  # before TensorFlow is imported
-        resource.setrlimit(resource.RLIMIT_AS, (caps[task], caps[task]))
-    if mode.startswith("single"):
+    budget = int(os.environ.get("TFDIST_TEST_AS_BUDGET", "0"))  # bytes above the baseline
+    signal_dir = os.environ.get("TFDIST_TEST_SIGNAL_DIR", "")
+    if mode == "single":
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(1)
         strategy = tf.distribute.get_strategy()
     else:
+        if task > 0 and budget:
+            _cap_when_told(signal_dir, task)
         from tfdist.cluster import ClusterConfig
 
         devices = ClusterConfig.from_env().start(threads=1)
@@ -146,23 +214,22 @@ def main():
         strategy = td.ModelParallel(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
                                     batch_dim_name="batch", devices=devices,
                                     initialize_shards=True)
-    import keras
-    import keras_hub
-
     from tfdist import checkpoint
     from tfdist.testing.memory import device_bytes
 
-    config = TINY if mode.endswith("idle") else CONFIG
-    x, y = _data(config)
+    tasks = 1 if mode == "single" else 2
+    # The baseline: the same program with a tiny backbone, so that every thread and
+    # pool a step needs already exists; then each process caps itself above it.
+    tiny = _build(strategy, TINY)
+    tiny.fit(*_data(TINY), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    fields = dict(baseline=_job_status("VmPeak"))
+    if budget:
+        fields["caps"] = _cap_job(signal_dir, tasks, budget)
+    x, y = _data(CONFIG)
     print(f"big_model {mode} started: building the backbone", flush=True)
-    with strategy.scope():
-        model = keras_hub.models.GemmaBackbone(**config)
-        model.compile(keras.optimizers.Adam(1e-4), "mse")
-        model.optimizer.build(model.trainable_variables)
-    assert model.count_params() == parameter_count(config), (model.count_params(),
-                                                            parameter_count(config))
-    bytes_per_device = [device_bytes(model, i) for i in range(1 if mode.startswith("single") else 2)]
-    fields = dict(device_bytes=bytes_per_device, built_peak=_job_status("VmPeak"))
+    model = _build(strategy, CONFIG)
+    bytes_per_device = [device_bytes(model, i) for i in range(tasks)]
+    fields.update(device_bytes=bytes_per_device, built_peak=_job_status("VmPeak"))
     if mode == "resume":
         path = sys.argv[3]
         checkpoint.load(model, path)
