@@ -64,16 +64,6 @@ def _peak_rss_of_job():
     return sorted(peaks)
 
 
-def _slot_bytes(model, device):
-    """Bytes of the components of the optimizer's variables on one device."""
-    total = 0
-    for v in model.optimizer.variables:
-        components = getattr(v.value, "values", (v.value,))
-        c = components[min(device, len(components) - 1)]
-        total += c.shape.num_elements() * c.dtype.size
-    return total
-
-
 def job(args):
     """One case, in every task of a launched job; the controller measures."""
     import time
@@ -88,7 +78,7 @@ def job(args):
     from absl import logging
 
     import tfdist.distribution as td
-    from tfdist.testing.memory import device_bytes
+    from tfdist.testing.memory import device_bytes, optimizer_bytes
 
     logging.set_verbosity(logging.WARNING)
     processes, shape, options = CASES[args.case]
@@ -120,7 +110,7 @@ def job(args):
               verbose=0, shuffle=False)
     result["s_per_step"] = (time.perf_counter() - start) / args.steps
     result["device_bytes"] = [device_bytes(model, i) for i in range(max(processes, 1))]
-    result["slot_bytes"] = [_slot_bytes(model, i) for i in range(max(processes, 1))]
+    result["slot_bytes"] = [optimizer_bytes(model, i) for i in range(max(processes, 1))]
     result["peak_rss_mib"] = _peak_rss_of_job()
     json.dump(result, open(args.result, "w"))
 

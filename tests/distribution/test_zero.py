@@ -12,7 +12,7 @@ import tfdist.distribution as td
 from tfdist import checkpoint
 from tfdist.testing.collective_log import recorded_all_gathers
 from tfdist.testing.equivalence import assert_equivalent
-from tfdist.testing.memory import device_bytes
+from tfdist.testing.memory import device_bytes, optimizer_bytes
 
 from test_model_parallel import functional_layout_map, functional_model, keras_mesh
 
@@ -80,15 +80,6 @@ def _built(strategy, model_fn=token_model):
     return model
 
 
-def _slot_bytes(model, device):
-    total = 0
-    for v in model.optimizer.variables:
-        components = getattr(v.value, "values", (v.value,))
-        c = components[min(device, len(components) - 1)]
-        total += c.shape.num_elements() * c.dtype.size
-    return total
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_slots_are_one_nth_per_device_and_weights_kept_whole_below_stage_3(stage):
     reference = _built(data_parallel(1, 0))
@@ -103,17 +94,17 @@ def test_slots_are_one_nth_per_device_and_weights_kept_whole_below_stage_3(stage
             assert [tuple(c.shape) for c in kept.copy.values] == [full] * 4, v.path
         else:
             assert kept is None
-    slots = [_slot_bytes(model, i) for i in range(4)]
+    slots = [optimizer_bytes(model, i) for i in range(4)]
     scalars = sum(np.dtype(v.dtype).itemsize for v in reference.optimizer.variables
                   if len(v.shape) == 0)  # the iteration counter and learning rate, whole
-    assert slots == [(_slot_bytes(reference, 0) - scalars) // 4 + scalars] * 4
-    assert _slot_bytes(plain, 0) == _slot_bytes(reference, 0)
+    assert slots == [(optimizer_bytes(reference, 0) - scalars) // 4 + scalars] * 4
+    assert optimizer_bytes(plain, 0) == optimizer_bytes(reference, 0)
     weights = sum(w.size * 4 for w in reference.get_weights())
     expected = weights + weights // 4 if stage < 3 else weights // 4  # copy + shard, or shard
     assert device_bytes(model, 0) - slots[0] == expected
     print(f"ZeRO-{stage}, 4 devices: weights+copy {device_bytes(model, 0) - slots[0]} B, "
           f"slots {slots[0]} B per device; plain data parallel: weights {weights} B, slots "
-          f"{_slot_bytes(plain, 0)} B")
+          f"{optimizer_bytes(plain, 0)} B")
 
 
 def test_stages_1_and_2_read_their_kept_copies_and_gather_once_per_step():

@@ -20,6 +20,16 @@ def device_bytes(model, device_index: int = 0) -> int:
     return total
 
 
+def optimizer_bytes(model, device_index: int = 0) -> int:
+    """Bytes of the components of `model.optimizer`'s variables on one device (slots, counters)."""
+    total = 0
+    for v in model.optimizer.variables:
+        components = getattr(v.value, "values", (v.value,))
+        component = components[min(device_index, len(components) - 1)]
+        total += component.shape.num_elements() * component.dtype.size
+    return total
+
+
 # Environment for a subprocess whose RSS should follow its live tensors: with
 # oneDNN on, TF's CPU allocator keeps freed tensors in its pool, and glibc keeps
 # large freed blocks once its dynamic mmap threshold has grown (to 32 MiB).
