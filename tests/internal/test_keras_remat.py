@@ -228,6 +228,39 @@ def test_a_model_built_under_remat_scope_trains_like_one_without(tmp_path):
     assert _worst(weights[1], weights[0]) < 1e-6
 
 
+def test_recomputed_layers_with_keras_training_options_match_one_device_on_a_mesh():
+    """A plain model built under `RematScope` on a 2x2 mesh (MeshStrategy, the batch over
+    every replica) with `global_clipnorm`, EMA with overwrite, gradient accumulation, a
+    sparse `Embedding` gradient and a last batch of 4 rows: the unscoped one-device model's
+    weights and optimizer variables."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 16, size=(36, 4)).astype("int32")  # 4 batches of 8, one of 4
+    y = rng.normal(size=(36, 4)).astype("float32")
+
+    def build(scope):
+        keras.utils.set_random_seed(0)
+        with scope:
+            inputs = keras.Input((4,), dtype="int32")
+            h = keras.layers.Embedding(16, 8)(inputs)
+            h = keras.layers.Flatten()(keras.layers.Dense(8, activation="relu")(h))
+            model = keras.Model(inputs, keras.layers.Dense(4)(h))
+        model.compile(keras.optimizers.Adam(0.01, global_clipnorm=0.1, use_ema=True,
+                                            ema_momentum=0.9, ema_overwrite_frequency=2,
+                                            gradient_accumulation_steps=2), "mse")
+        return model
+
+    reference = build(contextlib.nullcontext())
+    strategy = MeshStrategy("data:2;model:2")
+    with strategy.scope():
+        model = build(keras.RematScope(mode="full"))
+    assert all(layer._remat_mode is not None for layer in model.layers[1:])
+    for m in (model, reference):
+        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    state = [v.numpy() for v in model.weights + model.optimizer.variables]
+    expected = [v.numpy() for v in reference.weights + reference.optimizer.variables]
+    assert _worst(state, expected) < 1e-5
+
+
 def test_public_name():
     assert tfdist.remat(lambda x: x).__code__ is keras_remat.remat(lambda x: x).__code__
 

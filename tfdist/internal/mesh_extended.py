@@ -24,6 +24,10 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
 4. `_update(var, ...)` applies each replica's reduced gradient to its own
    component. A trainable sharded weight whose gradient was not routed in
    the same graph raises rather than training wrong.
+5. ZeRO-1/2 (`zero_stage`): a weight stored split over the batch axis keeps a
+   whole copy (`KeptWhole`) that replicas read; `refresh_kept_in_replica`
+   all-gathers the new shards into it after each optimizer step, and every
+   other assignment refreshes it (`refresh_kept_whole`).
 """
 
 import contextlib
