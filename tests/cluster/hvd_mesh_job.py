@@ -61,6 +61,11 @@ if "mixed_bfloat16" in models:
 if "xc_head" in models:
     print(f"rank {rank} xc_head {mesh}: {job_cases.xc_head(strategy)}", flush=True)
 
+if "zero" in models:  # ZeRO-1 over the ranks (a second strategy, data parallel)
+    report = job_cases.zero(strategy, lambda stage: HorovodStrategy(zero_stage=stage),
+                            stages=(1,))
+    print(f"rank {rank} zero {mesh}: {report}", flush=True)
+
 if "moe" in models:
     def moe_model():  # expert choice; dropless top-2 with shared experts
         x = inputs = keras.Input((2, 8))

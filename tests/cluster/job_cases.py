@@ -64,16 +64,21 @@ def keras_mlp():
     return keras.Model(ids, keras.layers.Dense(16)(h))
 
 
-def zero(strategy):
+def zero(strategy, zero_strategy_for=None, stages=(1, 2)):
     """ZeRO-1 and ZeRO-2 over the strategy's devices (data parallel, `zero_stage`): a plain
     Keras model with clipping, Adam's slots (and for stage 2 the gradients) split over
-    every device."""
+    every device. `zero_strategy_for(stage)` builds the data-parallel strategy (default:
+    `DataParallel` over the strategy's devices)."""
     import tfdist.distribution as td
 
+    if zero_strategy_for is None:
+        def zero_strategy_for(stage):
+            return td.DataParallel(devices=list(strategy.extended.worker_devices),
+                                   zero_stage=stage)
+
     reports = []
-    for stage in (1, 2):
-        zero_strategy = td.DataParallel(devices=list(strategy.extended.worker_devices),
-                                        zero_stage=stage)
+    for stage in stages:
+        zero_strategy = zero_strategy_for(stage)
         x, y = make_copy_task(STEPS * 16)
         reports.append(f"stage {stage}: " + str(assert_equivalent(
             keras_mlp, zero_strategy, x, y, reference=keras_mlp,
