@@ -30,12 +30,13 @@ def _copies(var):
 
 @pytest.mark.parametrize("replicas, remat", [
     (2, False), (4, False),
-    # Passes alone and after tests/internal/test_keras_remat.py; in the CI-faithful run of
-    # 2026-12-03 (3 xdist workers) it differed from synchronous SGD by 1e-3 (the first
-    # kernel, every element): some earlier test in that worker changes how recomputation
-    # trains under ModelAveragingStrategy. Not yet found; kept visible, not strict.
+    # Intermittent: in the CI-faithful run of 2026-12-03 it differed from synchronous SGD
+    # by 1e-3 (the first kernel, every element). In a fresh process it passed 6 of 6, but
+    # only 3 of 5 once tfdist.internal.keras_tensor_parallel's dispatchers were installed
+    # (by any ModelParallel/DataParallel test; no layout map in play). Suspected: a race
+    # between the replica threads in tfdist.remat. Not yet found; kept visible, not strict.
     pytest.param(2, True, marks=pytest.mark.xfail(
-        strict=False, reason="order-dependent: differs from synchronous SGD in the full suite")),
+        strict=False, reason="intermittent: differs from synchronous SGD (see the comment)")),
 ])
 def test_period_one_with_sgd_is_synchronous_sgd(replicas, remat):
     x, y = _data(10)
