@@ -32,7 +32,7 @@ def _copies(var):
     (2, False), (4, False),
     # Intermittent: in the CI-faithful run of 2026-12-03 it differed from synchronous SGD
     # by 1e-3 (the first kernel, every element). In a fresh process it passed 6 of 6, but
-    # only 3 of 5 once tfdist.internal.keras_tensor_parallel's dispatchers were installed
+    # only 2 of 5 once tfdist.internal.keras_tensor_parallel's dispatchers were installed
     # (by any ModelParallel/DataParallel test; no layout map in play). Suspected: a race
     # between the replica threads in tfdist.remat. Not yet found; kept visible, not strict.
     pytest.param(2, True, marks=pytest.mark.xfail(
