@@ -319,18 +319,16 @@ def _own_slice(reduced, var, index):
     """
     if not _whole_gradient(var):
         return reduced
-    kept = var._tfdist_kept
-    n = var.layout.mesh_shape.axis_size(kept.axis)
-    position = var.layout.mesh_shape.coordinates(index)[kept.axis]
+    dim = var._tfdist_kept.dim  # split over the batch axis only: global = whole-local
+    own = var.layout.shard_slices(index)[dim]
     if not isinstance(reduced, tf.IndexedSlices):
-        return tf.split(reduced, n, axis=kept.dim)[position]
+        return reduced[(slice(None),) * dim + (own,)]
     dense_shape = tf.constant(var.layout.local_shape, reduced.dense_shape.dtype)
-    if kept.dim > 0:
-        return tf.IndexedSlices(tf.split(reduced.values, n, axis=kept.dim)[position],
+    if dim > 0:
+        return tf.IndexedSlices(reduced.values[(slice(None),) * dim + (own,)],
                                 reduced.indices, dense_shape)
-    rows = var.layout.local_shape[0]
-    local = reduced.indices - tf.cast(position * rows, reduced.indices.dtype)
-    held = (local >= 0) & (local < rows)
+    local = reduced.indices - tf.cast(own.start, reduced.indices.dtype)
+    held = (local >= 0) & (local < own.stop - own.start)
     return tf.IndexedSlices(tf.boolean_mask(reduced.values, held), tf.boolean_mask(local, held),
                             dense_shape)
 
@@ -460,7 +458,7 @@ class ShardRouting:
         layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
         gather_on_read = False
-        keep_whole = None  # ZeRO-1/2: the LayoutMap's own layout of a weight stored split
+        kept_base = keeps_whole = None  # ZeRO-1/2: the LayoutMap's own layout of a split weight
         if layout is not None and colocate_with is None and self.keras_layouts is not None:
             # A tfdist layer's weight under a LayoutMap: the two must agree.
             keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
@@ -477,11 +475,10 @@ class ShardRouting:
                 layout = layouts.layout(keras_variable.path, keras_variable.shape)
                 zero = layouts.zero_layout(layout, keras_variable.shape,
                                            kwargs.get("trainable", True))
+                keeps_whole = zero is not None and layouts.keeps_whole
                 if zero is not None:
-                    if layouts.keeps_whole:
-                        keep_whole = [layout]
-                    layout = zero
-                keras_variables.set_layout(keras_variable, layout, keeps_whole=bool(keep_whole))
+                    kept_base, layout = layout, zero
+                keras_variables.set_layout(keras_variable, layout, keeps_whole=keeps_whole)
                 gather_on_read = True
         if layout is None or not layout.is_sharded:
             return self._create_replicated_variable(next_creator, **kwargs)
@@ -498,8 +495,8 @@ class ShardRouting:
         variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
                                                  **kwargs)
         variable._tfdist_gather_on_read = gather_on_read
-        if keep_whole:
-            variable._tfdist_kept = self._create_kept_whole(next_creator, variable, keep_whole[0],
+        if keeps_whole:
+            variable._tfdist_kept = self._create_kept_whole(next_creator, variable, kept_base,
                                                             kwargs)
         return variable
 
