@@ -50,18 +50,9 @@ REPORTED = ("one", "data_parallel", "fsdp", "fsdp_kept", "tensor_parallel", "zer
 
 def _peak_rss_of_job():
     """VmHWM (MiB) of every process running this job's command line."""
-    me = open(f"/proc/{os.getpid()}/cmdline", "rb").read()
-    peaks = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if open(f"/proc/{pid}/cmdline", "rb").read() != me:
-                continue
-            for line in open(f"/proc/{pid}/status"):
-                if line.startswith("VmHWM:"):
-                    peaks.append(int(line.split()[1]) / 1024)
-        except OSError:
-            continue
-    return sorted(peaks)
+    from tfdist.testing.memory import job_status
+
+    return sorted(v / 2 ** 20 for v in job_status("VmHWM").values())
 
 
 def job(args):

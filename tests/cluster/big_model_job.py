@@ -55,29 +55,12 @@ def model_bytes() -> int:
 mode = None
 
 
-def _task_of(pid):
-    """The task index in process `pid`'s TF_CONFIG (0 without one)."""
-    for entry in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
-        if entry.startswith(b"TF_CONFIG="):
-            return json.loads(entry[len(b"TF_CONFIG="):])["task"]["index"]
-    return 0
-
-
 def _job_status(field):
-    """`field` of /proc/PID/status (bytes) of every process running this job's command
-    line, in task order."""
-    me = open(f"/proc/{os.getpid()}/cmdline", "rb").read()
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if open(f"/proc/{pid}/cmdline", "rb").read() != me:
-                continue
-            for line in open(f"/proc/{pid}/status"):
-                if line.startswith(field + ":"):
-                    out[_task_of(pid)] = int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return [out[k] for k in sorted(out)]
+    """`field` (bytes) of every task of this job, in task order."""
+    from tfdist.testing.memory import job_status
+
+    status = job_status(field)
+    return [status[k] for k in sorted(status)]
 
 
 def _report(**fields):

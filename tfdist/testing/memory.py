@@ -20,6 +20,31 @@ def device_bytes(model, device_index: int = 0) -> int:
     return total
 
 
+def job_status(field: str) -> dict:
+    """`{task index: bytes}` of `/proc/PID/status` entry `field` (`VmHWM`, `VmPeak`) for every
+    process running this process's command line (the tasks of a `tfdist.launch` job; the
+    task index from each one's TF_CONFIG, 0 without one)."""
+    import json
+    import os
+
+    me = open(f"/proc/{os.getpid()}/cmdline", "rb").read()
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/cmdline", "rb").read() != me:
+                continue
+            task = 0
+            for entry in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                if entry.startswith(b"TF_CONFIG="):
+                    task = json.loads(entry[len(b"TF_CONFIG="):])["task"]["index"]
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith(field + ":"):
+                    out[task] = int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return out
+
+
 def optimizer_bytes(model, device_index: int = 0) -> int:
     """Bytes of the components of `model.optimizer`'s variables on one device (slots, counters)."""
     total = 0
