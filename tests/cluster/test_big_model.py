@@ -66,11 +66,11 @@ def test_a_model_too_big_for_one_capped_process_trains_saves_and_resumes_over_tw
     output = single.stdout + single.stderr
     assert single.returncode != 0, output[-3000:]
     assert "big_model single started" in output  # the tiny step ran, then the cap
-    # Where the cap bites decides how it fails: a TF allocation, Python, C++, absl, or
-    # a signal (an allocation failing in a native thread aborts or faults silently).
-    assert single.returncode < 0 or any(s in output for s in ("ResourceExhausted", "MemoryError", "bad_alloc", "OOM",
+    # Where the cap bites decides how it fails: a TF allocation, Python, C++, absl.
+    assert any(s in output for s in ("ResourceExhausted", "MemoryError", "bad_alloc", "OOM",
                                      "out of memory", "mmap error: 12",
-                                     "pthread_create failed")), output[-3000:]
+                                     "pthread_create failed")), \
+        f"exit {single.returncode}: {output[-3000:]}"
     print(f"model {MODEL_BYTES / 2 ** 20:.0f} MiB of weights + Adam slots; each process capped "
           f"at its baseline + {BUDGET / 2 ** 20:.0f} MiB (95%)")
     for name, r in (("train 1x2", trained), ("resume 2x1", resumed)):
