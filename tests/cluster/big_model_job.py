@@ -23,6 +23,7 @@ The controller prints one line `big_model MODE: {...}` (JSON: weight and slot
 bytes, loss, peak RSS and peak address space of every task).
 """
 
+import faulthandler
 import json
 import os
 import resource
@@ -171,6 +172,7 @@ def _build(strategy, config):
 
 def main():
     global mode
+    faulthandler.enable()  # a native crash under the cap prints where it happened
     mode = sys.argv[1]
     task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
     budget = int(os.environ.get("TFDIST_TEST_AS_BUDGET", "0"))  # bytes above the baseline
