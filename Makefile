@@ -54,7 +54,7 @@ bench: $(STAMP)
 	$(PY) bench/remat.py
 	$(PY) bench/checkpoint_memory.py
 
-# Horovod 0.28.1 built against the installed TF (about 10 minutes; wheel cached).
+# Horovod 0.28.1 built against the installed TF (about 3 minutes; wheel cached).
 horovod: $(STAMP)
 	bash scripts/install_horovod.sh $(PY)
 

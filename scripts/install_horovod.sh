@@ -50,11 +50,16 @@ forward tensorflow/compiler/xla/client/xla_builder.h xla/hlo/builder/xla_builder
 for h in service/custom_call_target_registry.h service/hlo.pb.h shape.h xla_data.pb.h; do
     forward "tensorflow/compiler/xla/$h" "xla/$h"
 done
+# Horovod's setup.py builds RelWithDebInfo (-O2 -g). Without the debug info the
+# build takes 250 CPU-seconds instead of 345 (2:29 instead of 3:29 on 2 cores)
+# and the wheel is 1 MB instead of 15. The -g0 must come after CMake's -g.
+printf '#!/bin/sh\nexec %s "$@" -g0\n' "${CXX:-g++}" > "$include/cxx"
+chmod +x "$include/cxx"
 
-echo "install_horovod: building horovod==$VERSION (about 10 minutes on 2 cores)"
+echo "install_horovod: building horovod==$VERSION (about 3 minutes on 2 cores)"
 mkdir -p "$CACHE"
 "$PY" -m pip install --quiet setuptools wheel packaging  # --no-build-isolation needs them
-CPLUS_INCLUDE_PATH="$include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
+CXX="$include/cxx" CPLUS_INCLUDE_PATH="$include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
     "$PY" -m pip wheel --no-build-isolation --no-deps --wheel-dir "$CACHE" "horovod==$VERSION"
