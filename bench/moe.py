@@ -17,7 +17,13 @@ device, 1x2 and 1x4 (`experts:model`; the dense FFNs Megatron-split with
 1 - dense / moe, against the dense FFN of the same FLOPs. On a 2-core CPU the
 virtual devices share two cores: ratios compare the layers, not scaling.
 
-    python bench/moe.py [--steps 10] [--repeats 3]
+Each case runs in its own process; the cases of a mesh are interleaved over
+`--rounds` rounds (case order rotated each round), so a slow spell of the
+machine falls on every case alike. A ratio is the median over rounds of the
+ratio within a round (MoE and its dense FFN timed minutes apart at most), with
+its min and max over rounds.
+
+    python bench/moe.py [--steps 10] [--repeats 3] [--rounds 5]
 """
 
 import argparse
@@ -90,6 +96,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="Interleaved rounds: one process per case per round.")
     parser.add_argument("--meshes", default=",".join(MESHES), help="Comma-separated meshes.")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one case, one process
     args = parser.parse_args()
@@ -99,14 +107,15 @@ def main():
     y = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
     tokens = BATCH * LENGTH
     print(f"MoE bench: E={EXPERTS}, d_model {D_MODEL}, expert d_ff {D_FF}, group {GROUP}; "
-          f"{tokens} tokens/step; median of {args.repeats} epochs of {args.steps} steps; "
-          f"ratio = MoE / dense FFN of equal FLOPs")
+          f"{tokens} tokens/step; a process's time: median of {args.repeats} epochs of "
+          f"{args.steps} steps; {args.rounds} interleaved rounds; "
+          f"ratio = MoE / dense FFN of equal FLOPs, median [min, max] over rounds")
     print(f"{'mesh':<16}{'case':<19}{'moe ms':>8}{'dense ms':>9}{'d_ff':>6}{'ratio':>7}"
-          f"{'target':>7}{'routing':>8}{'dropped':>8}")
+          f"{'[min,':>7}{'max]':>6}{'target':>7}{'routing':>8}{'dropped':>8}")
     for mesh in args.meshes.split(","):
         # One process per model (several models built and fitted in one process
         # crashed TF here: a segfault in a compute thread).
-        median, dropped = {}, {}
+        seconds, dropped = {}, {}
         keys = sorted({d_ff for _, d_ff in CASES.values()}) + list(CASES)
         if args.only is not None:
             key = args.only if args.only in CASES else int(args.only)
@@ -117,20 +126,24 @@ def main():
             runs = [time_fit(model, x, y, args.steps) for _ in range(args.repeats)]
             print(f"RESULT {float(np.median([s for s, _ in runs]))!r} {runs[-1][1]!r}")
             return
-        for key in keys:
-            out = subprocess.run(
-                [sys.executable, __file__, "--meshes", mesh, "--only", str(key), "--steps",
-                 str(args.steps), "--repeats", str(args.repeats)],
-                capture_output=True, text=True, check=True).stdout
-            seconds, fraction = out.split("RESULT ")[-1].split()
-            median[key], dropped[key] = float(seconds), float(fraction)
+        for round_ in range(args.rounds):
+            shift = round_ % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--meshes", mesh, "--only", str(key),
+                     "--steps", str(args.steps), "--repeats", str(args.repeats)],
+                    capture_output=True, text=True, check=True).stdout
+                step, fraction = out.split("RESULT ")[-1].split()
+                seconds.setdefault(key, []).append(float(step))
+                dropped[key] = float(fraction)
         for name, (_, d_ff) in CASES.items():
-            moe, dense = median[name], median[d_ff]
-            ratio = moe / dense
+            ratios = np.array(seconds[name]) / np.array(seconds[d_ff])  # within each round
+            ratio = float(np.median(ratios))
+            moe, dense = np.median(seconds[name]), np.median(seconds[d_ff])
             target = f"{TARGETS[name]:.2f}" if name in TARGETS else ""
             print(f"{mesh:<16}{name:<19}{moe * 1e3:>8.1f}{dense * 1e3:>9.1f}{d_ff:>6}"
-                  f"{ratio:>7.2f}{target:>7}{1 - 1 / ratio:>8.0%}{dropped[name]:>8.3f}",
-                  flush=True)
+                  f"{ratio:>7.2f}{ratios.min():>7.2f}{ratios.max():>6.2f}{target:>7}"
+                  f"{1 - 1 / ratio:>8.0%}{dropped[name]:>8.3f}", flush=True)
 
 
 if __name__ == "__main__":
