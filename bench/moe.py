@@ -144,6 +144,9 @@ def main():
             print(f"{mesh:<16}{name:<19}{moe * 1e3:>8.1f}{dense * 1e3:>9.1f}{d_ff:>6}"
                   f"{ratio:>7.2f}{ratios.min():>7.2f}{ratios.max():>6.2f}{target:>7}"
                   f"{1 - 1 / ratio:>8.0%}{dropped[name]:>8.3f}", flush=True)
+        for key in keys:  # each round's process, to see which side varies
+            print(f"{mesh:<16}{str(key):<19}ms per round: "
+                  + " ".join(f"{s * 1e3:.1f}" for s in seconds[key]), flush=True)
 
 
 if __name__ == "__main__":
