@@ -30,6 +30,12 @@ a weight split over mesh axis A of size M (shapes for a replica's `b` rows):
         ids [b, ...] -> all_gather -> [b*M, ...]; look up the ids this shard
         holds (zero elsewhere) -> reduce_scatter over A -> [b, ..., d]
 
+Rows read by several column layers (query, key and value; gate and up) are
+gathered once per trace. Known keras-hub feed-forward blocks pair their
+column layers with their row layer as Megatron does (`keras_tp_pairs`): the
+local columns `[b*M, ..., d_ff/M]` go from gate and up through the block's
+element-wise ops straight into the row layer, no all-to-all in between.
+
 The weight itself is never gathered over A; dimensions split over other axes
 (a Gemma kernel's dimension on the batch axis) are gathered for the
 contraction, and again in the backward pass (FSDP).
@@ -38,13 +44,14 @@ activations after the columns are whole again.
 """
 
 import functools
+import weakref
 from typing import Optional
 
 import keras
 import tensorflow as tf
 
 from tfdist import collectives, runtime, weight_reads
-from tfdist.internal import keras_variables
+from tfdist.internal import keras_tp_pairs, keras_variables
 
 
 def _layout(variable):
@@ -116,7 +123,7 @@ def _read_slice(variable, axis, dim):
 
 def _column(x, axis, compute, concat_dim):
     """`compute` on every row of the group, output columns local, columns exchanged back."""
-    x_all = collectives.all_gather(x, axis, dim=0)  # [b*M, ..., d_in]
+    x_all = _gathered_rows(x, axis)  # [b*M, ..., d_in]
     y = compute(x_all)  # [b*M, ..., d_out/M]
     return collectives.all_to_all(y, axis, split_dim=0, concat_dim=concat_dim)
 
@@ -139,34 +146,7 @@ def _finish(layer, y, whole_bias=True):
     return layer.activation(y) if layer.activation is not None else y
 
 
-# -- Dense ----------------------------------------------------------------------
-
-
-def dense_call(layer, inputs, training=None):
-    plan = _plan(layer, layer.kernel)
-    if plan is None:
-        return NotImplemented
-    layout, axis = plan
-    x = tf.convert_to_tensor(inputs)
-    matmul = keras.ops.matmul
-    if axis is None:  # FSDP
-        y = _contract(matmul, x, layer.kernel, layout)
-        return _finish(layer, y)
-    if _dim_on(layer.kernel, axis) == 1:  # column-parallel
-
-        def compute(x_all):
-            y = _contract(matmul, x_all, layer.kernel, layout, axis)
-            if layer.bias is not None:
-                y = y + _read_slice(layer.bias, axis, 0)
-            return y
-
-        return _finish(layer, _column(x, axis, compute, concat_dim=-1), whole_bias=False)
-    # row-parallel
-    y = _row(x, axis, -1, lambda cols: _contract(matmul, cols, layer.kernel, layout, axis))
-    return _finish(layer, y)
-
-
-# -- EinsumDense ----------------------------------------------------------------
+# -- Dense and EinsumDense --------------------------------------------------------
 
 
 def _einsum_specs(equation):
@@ -179,49 +159,124 @@ def _einsum_specs(equation):
     return x_spec, kernel_spec, output
 
 
-def einsum_dense_call(layer, inputs, training=None):
+def _role(layer):
+    """How a `Dense` or `EinsumDense` layer's split kernel computes, or None (Keras's `call`).
+
+    Returns `(layout, axis, role, dim)`: role "fsdp" (axis None: every split
+    dimension gathered), "column" (`dim`, counted from the end, is the output
+    dimension split over `axis`) or "row" (`dim`, from the end, is the input
+    dimension contracted over `axis`).
+    """
     plan = _plan(layer, layer.kernel)
     if plan is None:
-        return NotImplemented
+        return None
     layout, axis = plan
-    x = tf.convert_to_tensor(inputs)
-
-    def einsum(x, kernel):
-        return keras.ops.einsum(layer.equation, x, kernel)
-
+    if axis is None:
+        return layout, None, "fsdp", None
+    if not isinstance(layer, keras.layers.EinsumDense):
+        return (layout, axis, "column", -1) if _dim_on(layer.kernel, axis) == 1 else (
+            layout, axis, "row", -1)
     specs = _einsum_specs(layer.equation)
-    letter = None
-    if axis is not None and specs is not None:
-        x_spec, kernel_spec, out_spec = specs
-        letter = kernel_spec[_dim_on(layer.kernel, axis)]
-        if letter in x_spec and letter in out_spec:
-            letter = None  # a dimension of input, kernel and output alike
-    if letter is None:  # FSDP
-        y = _contract(einsum, x, layer.kernel, layout)
-        return _finish(layer, y)
-    if letter in out_spec:  # column-parallel: output dimension `letter` local
-
-        def compute(x_all):
-            y = _contract(einsum, x_all, layer.kernel, layout, axis)
-            if layer.bias is not None:
-                y = y + _einsum_bias(layer, out_spec, axis, letter)
-            return y
-
-        y = _column(x, axis, compute, concat_dim=out_spec.index(letter))
-        return _finish(layer, y, whole_bias=False)
-    # row-parallel: contracted dimension `letter` split
-    y = _row(x, axis, x_spec.index(letter),
-             lambda cols: _contract(einsum, cols, layer.kernel, layout, axis))
-    return _finish(layer, y)
+    if specs is None:
+        return layout, None, "fsdp", None
+    x_spec, kernel_spec, out_spec = specs
+    letter = kernel_spec[_dim_on(layer.kernel, axis)]
+    if letter in x_spec and letter in out_spec:  # a dimension of input, kernel and output alike
+        return layout, None, "fsdp", None
+    if letter in out_spec:
+        return layout, axis, "column", out_spec.index(letter) - len(out_spec)
+    return layout, axis, "row", x_spec.index(letter) - len(x_spec)
 
 
-def _einsum_bias(layer, out_spec, axis, letter):
-    """The bias, sliced like output dimension `letter` where the bias has it."""
+def _bias_slice(layer, axis, dim):
+    """The bias, sliced like the split output dimension `dim` (from the end) where it has it."""
+    if not isinstance(layer, keras.layers.EinsumDense):
+        return _read_slice(layer.bias, axis, 0)
+    out_spec = _einsum_specs(layer.equation)[2]
+    letter = out_spec[dim]
     first = min(out_spec.find(c) for c in layer.bias_axes)
     bias_spec = out_spec[first:]
     if letter not in layer.bias_axes or letter not in bias_spec:
         return tf.convert_to_tensor(layer.bias)
     return _read_slice(layer.bias, axis, bias_spec.index(letter))
+
+
+def dense_call(layer, inputs, training=None):
+    """`Dense` and `EinsumDense`: column- or row-parallel over the kernel's split axis, or FSDP."""
+    role = _role(layer)
+    if role is None:
+        return NotImplemented
+    layout, axis, kind, dim = role
+    x = tf.convert_to_tensor(inputs)
+    if isinstance(layer, keras.layers.EinsumDense):
+        def contract(x, kernel):
+            return keras.ops.einsum(layer.equation, x, kernel)
+    else:
+        contract = keras.ops.matmul
+    if kind == "fsdp":
+        return _finish(layer, _contract(contract, x, layer.kernel, layout))
+    if kind == "column":
+
+        def compute(x_all):
+            y = _contract(contract, x_all, layer.kernel, layout, axis)
+            if layer.bias is not None:
+                y = y + _bias_slice(layer, axis, dim)
+            return y
+
+        pair = keras_tp_pairs.column_pair(layer)
+        if pair is not None:  # local columns stay local until the paired row layer
+            return pair.hand_over(_finish(layer, compute(_gathered_rows(x, axis)),
+                                          whole_bias=False))
+        return _finish(layer, _column(x, axis, compute, concat_dim=dim), whole_bias=False)
+
+    def compute(cols):
+        return _contract(contract, cols, layer.kernel, layout, axis)
+
+    pair = keras_tp_pairs.row_pair(layer)
+    if pair is not None:  # the paired column layers' local columns, every row of the group
+        y = collectives.reduce_scatter_partial_sums(compute, [pair.take(x)], axis, dim=0)
+    else:
+        y = _row(x, axis, dim, compute)
+    return _finish(layer, y)
+
+
+def pairing_plan(columns, row):
+    """`(axis, size)` when `columns` and `row` can be paired (`keras_tp_pairs`), else None.
+
+    They can when each is exactly a `Dense` or `EinsumDense` that runs tensor
+    parallel over one mesh axis, the columns splitting their last output
+    dimension and the row contracting its last input dimension, and none is
+    recomputed on its own (its recomputation would run outside the pairing).
+    """
+    layers = [*columns, row]
+    if any(type(layer) not in (keras.layers.Dense, keras.layers.EinsumDense)
+           or getattr(getattr(layer, "_remat_mode", None), "mode", None) is not None
+           for layer in layers):
+        return None
+    roles = [_role(layer) for layer in layers]
+    if any(role is None for role in roles):
+        return None
+    kinds = [(axis, kind, dim) for _, axis, kind, dim in roles]
+    axis = kinds[0][0]
+    wanted = [(axis, "column", -1)] * len(columns) + [(axis, "row", -1)]
+    if axis is None or kinds != wanted:
+        return None
+    return axis, collectives.axis_size(axis)
+
+
+def _gathered_rows(x, axis):
+    """`all_gather(x, axis, dim=0)`, once per traced tensor: gate and up, or query, key and
+    value, read the same rows (the gradients meet before one reduce-scatter)."""
+    if tf.executing_eagerly():
+        return collectives.all_gather(x, axis, dim=0)
+    memo = _GATHERED.setdefault(x.graph, {})
+    key = (x.ref(), axis)
+    if key not in memo:
+        memo[key] = collectives.all_gather(x, axis, dim=0)
+    return memo[key]
+
+
+_GATHERED = weakref.WeakKeyDictionary()  # traced graph -> {(tensor, axis): its rows gathered}
 
 
 # -- Embedding and ReversibleEmbedding -------------------------------------------
@@ -319,7 +374,7 @@ def _registry():
     """(class whose `call` is replaced, tensor-parallel call, classes it serves exactly)."""
     entries = [
         (keras.layers.Dense, dense_call, (keras.layers.Dense,)),
-        (keras.layers.EinsumDense, einsum_dense_call, (keras.layers.EinsumDense,)),
+        (keras.layers.EinsumDense, dense_call, (keras.layers.EinsumDense,)),
     ]
     reversible = [keras.layers.ReversibleEmbedding]
     try:
@@ -354,3 +409,4 @@ def install() -> None:
         current = cls.__dict__["call"]
         if getattr(current, "_tfdist_original", None) is None:
             cls.call = _dispatcher(current, tensor_parallel, serves)
+    keras_tp_pairs.install(pairing_plan)
