@@ -162,8 +162,8 @@ def test_a_paired_block_trains_like_one_device(paired_block, shape):
 
 @pytest.mark.parametrize("remat", [None, "full"])
 def test_a_layer_recomputed_on_its_own_is_not_paired(remat):
-    # Its recomputation would run outside the block's pairing. (Training a LayoutMap's
-    # tensor-parallel layer under RematScope fails before any pairing: a known gap.)
+    # Its recomputation would run outside the block's pairing. (Training it is refused
+    # as long as the LayoutMap splits its weights: the next test.)
     strategy = td.ModelParallel(layout_map=_block_layout_map((1, 2)), batch_dim_name="batch")
     with strategy.scope(), keras.RematScope(mode=remat):
         block = _block_model("elementwise").get_layer("block")
@@ -175,6 +175,18 @@ def test_a_layer_recomputed_on_its_own_is_not_paired(remat):
 
     assert [bool(v) for v in strategy.experimental_local_results(planned())] == \
         [remat is None] * 2
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1)])
+def test_recomputing_a_layer_whose_weights_a_layout_map_splits_is_refused(shape):
+    strategy = td.ModelParallel(layout_map=_block_layout_map(shape), batch_dim_name="batch")
+    with strategy.scope():
+        with keras.RematScope(mode="list_of_layers", layer_names=["up"]):
+            model = _block_model("elementwise")
+        model.compile("sgd", "mse")
+    with pytest.raises(NotImplementedError, match="layer 'up' is recomputed .* its weight "
+                       "'block/up/kernel' is split by the LayoutMap"):
+        model.fit(np.ones((8, 6), "float32"), np.ones((8, 8), "float32"), verbose=0)
 
 
 @pytest.mark.parametrize("between, message", [

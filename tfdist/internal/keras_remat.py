@@ -55,6 +55,9 @@ from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.python.eager import record
 
+from tfdist import runtime
+from tfdist.internal import keras_variables
+
 _KERAS_REMAT = tf_core.remat
 _KERAS_ADD_LOSS = keras.layers.Layer.add_loss
 # Keras's ambient state a layer's call depends on: `training` and autocasting.
@@ -130,6 +133,29 @@ def _after(tensor, gradient):
     return tensor + tf.cast(tf.where(tf.equal(finite, finite), 0.0, float("nan")), tensor.dtype)
 
 
+def _refuse_split_weights(layer):
+    """Raises if `layer`, recomputed in a mesh replica, has a weight a `LayoutMap` splits.
+
+    The recomputation's variable gradients bypass the sharded weight reads of
+    `keras_tensor_parallel` and `weight_reads` (a shard's gradient reaches the
+    reduce-scatter meant for the gathered weight), so such a layer cannot be
+    recomputed yet; tfdist's own layers can (`tfdist.remat`).
+    """
+    if (not isinstance(layer, keras.layers.Layer) or runtime.current_runtime() is None
+            or tf.distribute.in_cross_replica_context()):
+        return
+    for weight in layer.weights:
+        layout = keras_variables.layout_of(weight)
+        if (layout is not None and layout.sharded_mesh_axes
+                and not keras_variables.keeps_whole(weight)):
+            raise NotImplementedError(
+                f"tfdist: layer {layer.name!r} is recomputed (keras.RematScope or keras.remat) "
+                f"and its weight {weight.path!r} is split by the LayoutMap over mesh axes "
+                f"{layout.sharded_mesh_axes}; recomputing a Keras layer whose weights a "
+                "LayoutMap splits is not supported. Build it outside RematScope, or leave "
+                "its weights whole in the LayoutMap.")
+
+
 def remat(f):
     """`f`, recomputed in the backward pass instead of keeping its activations.
 
@@ -150,6 +176,7 @@ def remat(f):
     def recomputed(*args, **kwargs):
         if in_symbolic_scope():  # shape inference: nothing to differentiate
             return f(*args, **kwargs)
+        _refuse_split_weights(getattr(f, "__self__", None))
         flat = tf.nest.flatten((args, kwargs))
         where = [i for i, value in enumerate(flat) if _differentiable(value)]
         context = {key: global_state.get_global_attribute(key) for key in _CONTEXT_KEYS}
