@@ -25,6 +25,8 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `keras_distribution`: the `LayoutMap` of Keras's own `ModelParallel`.
 - `keras_tensor_parallel`: shard-wise `call`s of Keras's Dense, EinsumDense,
   Embedding and ReversibleEmbedding under a `LayoutMap`.
+- `keras_tp_pairs`: Megatron pairing of keras-hub feed-forward blocks' column and
+  row layers (the blocks' `call`s, each checked against the installed keras-hub).
 - `keras_hub_moe_loss`: keras-hub's MoE load-balancing loss over every replica.
 - `keras_h5_slices`: Keras weight files read slice by slice into sharded variables.
 - `keras_remat`: recomputation with the forward pass's random numbers, variable
