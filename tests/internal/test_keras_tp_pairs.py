@@ -146,7 +146,7 @@ def test_a_paired_block_trains_like_one_device(paired_block, shape):
     strategy = td.ModelParallel(layout_map=_block_layout_map(shape), batch_dim_name="batch")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 6)).astype("float32"), rng.normal(size=(64, 8)).astype("float32")
-    with recorded(strategy, "all_to_all") as shapes:
+    with recorded(strategy, "all_to_all") as shapes, recorded(strategy, "all_gather") as gathered:
         report = assert_equivalent(lambda: _block_model("elementwise"), strategy, x, y,
                                    reference=lambda: _block_model("elementwise"),
                                    loss=keras.losses.MeanSquaredError(),
@@ -158,6 +158,9 @@ def test_a_paired_block_trains_like_one_device(paired_block, shape):
     batch, model = shape
     kernel_gradients = {(batch, 6 // batch, D_FF // model)} if batch > 1 else set()
     assert shapes and {s[-1] for s in shapes if s not in kernel_gradients} == {8}, shapes
+    # Gate and up read one gather of the rows [1, b, 6]: one per down's forward exchange.
+    rows = [s for s in gathered if s[-1] == 6]
+    assert len(rows) == sum(s[-1] == 8 for s in shapes), (gathered, shapes)
 
 
 @pytest.mark.parametrize("remat", [None, "full"])

@@ -30,8 +30,8 @@ a weight split over mesh axis A of size M (shapes for a replica's `b` rows):
         ids [b, ...] -> all_gather -> [b*M, ...]; look up the ids this shard
         holds (zero elsewhere) -> reduce_scatter over A -> [b, ..., d]
 
-Rows read by several column layers (query, key and value; gate and up) are
-gathered once per trace. Known keras-hub feed-forward blocks pair their
+Known keras-hub blocks gather the rows their column layers read (query, key and
+value; gate and up) once per block call, and pair their
 column layers with their row layer as Megatron does (`keras_tp_pairs`): the
 local columns `[b*M, ..., d_ff/M]` go from gate and up through the block's
 element-wise ops straight into the row layer, no all-to-all in between.
@@ -44,7 +44,6 @@ activations after the columns are whole again.
 """
 
 import functools
-import weakref
 from typing import Optional
 
 import keras
@@ -265,18 +264,9 @@ def pairing_plan(columns, row):
 
 
 def _gathered_rows(x, axis):
-    """`all_gather(x, axis, dim=0)`, once per traced tensor: gate and up, or query, key and
-    value, read the same rows (the gradients meet before one reduce-scatter)."""
-    if tf.executing_eagerly():
-        return collectives.all_gather(x, axis, dim=0)
-    memo = _GATHERED.setdefault(x.graph, {})
-    key = (x.ref(), axis)
-    if key not in memo:
-        memo[key] = collectives.all_gather(x, axis, dim=0)
-    return memo[key]
-
-
-_GATHERED = weakref.WeakKeyDictionary()  # traced graph -> {(tensor, axis): its rows gathered}
+    """`all_gather(x, axis, dim=0)`; within a paired block once per tensor: gate and up, or
+    query, key and value, read the same rows (their gradients meet before one reduce-scatter)."""
+    return keras_tp_pairs.gathered_once(x, axis, lambda: collectives.all_gather(x, axis, dim=0))
 
 
 # -- Embedding and ReversibleEmbedding -------------------------------------------

@@ -70,6 +70,7 @@ class Pair:
         self.size = size  # devices along `axis`
         self.outputs = []  # the column layers' local columns, as Keras sees them
         self.row_reads = []  # the ops the row layer read them with (shape, reshape)
+        self.gathered = {}  # (tensor, axis): its rows gathered over the axis
 
     def hand_over(self, local):
         """Local columns `[b*M, ..., d/M]` of a column layer, shaped `[b, ..., d]` for Keras."""
@@ -104,6 +105,22 @@ def row_pair(layer) -> Optional[Pair]:
     """The active pairing whose row layer is `layer`, or None."""
     pair = getattr(_local, "pair", None)
     return pair if pair is not None and pair.row is layer else None
+
+
+def gathered_once(x, axis, gather):
+    """`gather()`, the rows of `x` gathered over `axis`: once per tensor within a paired block.
+
+    Shared only within one block call, in one trace: no tape starts or stops
+    between the reads there (a layer recomputed on its own turns pairing off),
+    so every reader's gradient reaches `x` through the one gather.
+    """
+    pair = getattr(_local, "pair", None)
+    if pair is None:
+        return gather()
+    key = (x.ref(), axis)
+    if key not in pair.gathered:
+        pair.gathered[key] = gather()
+    return pair.gathered[key]
 
 
 def _check_region(pair):
