@@ -31,6 +31,7 @@ class KerasLayouts:
             `tfdist.distribution.ModelParallel`).
         reshard_after_forward: FSDP weights of the layers tfdist knows are
             gathered again for the backward pass (see `ModelParallel`).
+        prefetch: those gathers run one layer ahead (see `ModelParallel`).
         zero_stage: 0, or ZeRO's stage for trainable weights the map does not
             split over the batch axis (see `ModelParallel`): 1 and 2 store them
             split over the batch axis too, with a kept whole copy
@@ -40,7 +41,7 @@ class KerasLayouts:
 
     def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str,
                  initialize_shards: bool = False, reshard_after_forward: bool = True,
-                 zero_stage: int = 0):
+                 zero_stage: int = 0, prefetch: bool = False):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (off), 1 (optimizer states split over "
                              f"the batch axis, weights kept whole), 2 (gradients split too) "
@@ -48,6 +49,7 @@ class KerasLayouts:
         self.zero_stage = int(zero_stage)
         self.initialize_shards = bool(initialize_shards)
         self.reshard_after_forward = bool(reshard_after_forward)
+        self.prefetch = bool(prefetch)
         self.layout_map = layout_map
         self.mesh_shape = mesh_shape
         if batch_axis not in mesh_shape.names:
@@ -60,13 +62,14 @@ class KerasLayouts:
     @classmethod
     def for_mesh(cls, device_mesh, layout_map, batch_dim_name: Optional[str] = None,
                  initialize_shards: bool = False, reshard_after_forward: bool = True,
-                 zero_stage: int = 0) -> "KerasLayouts":
+                 zero_stage: int = 0, prefetch: bool = False) -> "KerasLayouts":
         """The layouts of `layout_map` (or None) on a Keras `DeviceMesh`; the batch
         axis defaults to the mesh's first."""
         mesh_shape = keras_mesh_shape(device_mesh)
         return cls(layout_map, mesh_shape, batch_dim_name or mesh_shape.names[0],
                    initialize_shards=initialize_shards,
-                   reshard_after_forward=reshard_after_forward, zero_stage=zero_stage)
+                   reshard_after_forward=reshard_after_forward, zero_stage=zero_stage,
+                   prefetch=prefetch)
 
     def _check_spec(self, spec, what):
         mesh = getattr(spec, "device_mesh", None)

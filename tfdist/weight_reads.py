@@ -122,7 +122,19 @@ def _gather(value, layout, axes):
     return value
 
 
-def regathered(contract, x, shard, layout, keep=()):
+def _ahead(tensor, kind):
+    """The tensor the previous `regathered` of this trace and replica waited for (`kind`:
+    "forward" inputs or "backward" output gradients), else `tensor`; records `tensor`.
+
+    Traced earlier, it never depends on ops made after it: no cycle."""
+    if tf.executing_eagerly():
+        return tensor
+    previous = getattr(_state, kind, None)
+    setattr(_state, kind, tensor)
+    return previous if previous is not None and previous.graph is tensor.graph else tensor
+
+
+def regathered(contract, x, shard, layout, keep=(), prefetch=False):
     """`contract(x, weight)`, the weight gathered from `shard` in the forward pass and again in the backward.
 
     FSDP's memory promise: the gathered weight lives only as long as the
@@ -143,6 +155,9 @@ def regathered(contract, x, shard, layout, keep=()):
             `local_axes` of all its axes).
         layout: the weight's `tfdist.mesh.TensorLayout`.
         keep: mesh axes whose dimensions stay local (tensor parallelism).
+        prefetch: wait for the previous `regathered` contraction's input (in
+            the backward pass, its output gradient) instead of this one's, so
+            the gather overlaps the previous layer's compute.
 
     Returns:
         `contract(x, weight)`, the weight gathered over every split axis but
@@ -156,11 +171,13 @@ def regathered(contract, x, shard, layout, keep=()):
 
     @tf.custom_gradient
     def run(x, shard):
-        with tf.control_dependencies([x]):  # not before the forward pass reaches here
+        # Not before the forward pass reaches here (or the layer before, prefetching).
+        with tf.control_dependencies([_ahead(x, "forward") if prefetch else x]):
             ready = tf.identity(shard)
 
         def grad(dy):
-            with tf.control_dependencies([dy]):  # not before the backward pass reaches here
+            # Not before the backward pass reaches here (or the layer after, prefetching).
+            with tf.control_dependencies([_ahead(dy, "backward") if prefetch else dy]):
                 again = tf.identity(shard)
             sources = [x, again] if x_trainable else [again]
             with tf.GradientTape() as tape:

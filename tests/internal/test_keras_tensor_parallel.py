@@ -276,3 +276,42 @@ def test_fsdp_gathers_again_in_the_backward_pass_instead_of_keeping_the_weight(m
         layer = make(keras.layers.EinsumDense)
         layer.build((None, 3, 8))
     assert _weights_kept_for_the_backward_pass(strategy, layer, x)  # asked to keep it
+
+
+def _gather_waits(strategy, layers, x):
+    """For replica 0's forward and backward weight gathers, in trace order: the tensors
+    their shard read waits for (control inputs of the `Identity` before the gather)."""
+
+    def replica():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for layer in layers:
+                y = layer(y)
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, [v.value for layer in layers for v in layer.trainable_weights])
+
+    graph = tf.function(lambda: strategy.run(replica)).get_concrete_function().graph
+    ops = [op for op in graph.get_operations() if not op.name.startswith("replica_")]
+    waits = [[c.name for c in op.control_inputs] for op in ops
+             if op.type == "Identity" and op.control_inputs
+             and op.inputs[0].op.type == "ReadVariableOp"]
+    return waits, {op.name: op for op in ops}
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_prefetch_gathers_each_fsdp_weight_one_layer_ahead(prefetch):
+    strategy = _strategy((2, 1), {"l\\d/kernel": ("batch", None)}, prefetch=prefetch)
+    with strategy.scope():
+        layers = [keras.layers.Dense(8, name=f"l{i}", use_bias=False) for i in range(3)]
+        for layer in layers:
+            layer.build((None, 8))
+    waits, ops = _gather_waits(strategy, layers, tf.ones((4, 8)))
+    assert len(waits) == 6 and all(len(w) == 1 for w in waits), waits
+    forward, backward = [w[0] for w in waits[:3]], [w[0] for w in waits[3:]]
+    # Without prefetching, each gather waits for its own layer's input (its output's
+    # gradient); prefetching, the second and third wait for the layer before's.
+    assert len(set(forward)) == 3 - prefetch and len(set(backward)) == 3 - prefetch
+    if prefetch:
+        assert forward[1] == forward[0] and backward[1] == backward[0]
+    assert all(not ops[name].type.startswith("Collective") for name in forward + backward)

@@ -86,6 +86,12 @@ class ModelParallel(MeshStrategy):
             costs a second all-gather per weight and step. False: the gathered
             weight is kept from the forward to the backward pass (one gather).
             Other layers always keep it.
+        prefetch: with `reshard_after_forward`, gather one layer ahead
+            (PyTorch FSDP's `forward_prefetch` and `BACKWARD_PRE`): a layer's
+            weight is gathered once the *previous* FSDP contraction's input is
+            ready (in the backward pass, its output gradient), so the gather
+            overlaps that layer's compute. The peak then holds about two
+            layers' whole weights instead of one. Default False.
         zero_stage: ZeRO (Rajbhandari et al.) for the trainable weights the
             layout map leaves whole over the batch axis (all of them without a
             map), on a batch axis of N > 1 devices:
@@ -136,6 +142,7 @@ class ModelParallel(MeshStrategy):
         initialize_shards: bool = False,
         reshard_after_forward: bool = True,
         zero_stage: int = 0,
+        prefetch: bool = False,
         **options,
     ):
         if device_mesh is None and layout_map is None:
@@ -146,7 +153,7 @@ class ModelParallel(MeshStrategy):
         layouts = KerasLayouts.for_mesh(device_mesh, layout_map, batch_dim_name,  # checked first
                                         initialize_shards=initialize_shards,
                                         reshard_after_forward=reshard_after_forward,
-                                        zero_stage=zero_stage)
+                                        zero_stage=zero_stage, prefetch=prefetch)
         if devices is None:
             devices = _tf_devices(device_mesh)
         # A tfdist model's layout map (`RulesLayoutMap`) carries its layout rules:

@@ -101,7 +101,8 @@ def _contract(contract, x, variable, layout, axis=None):
             return contract(x, tf.convert_to_tensor(variable))
     with weight_reads.local_axes(*layout.sharded_mesh_axes):
         shard = tf.convert_to_tensor(variable)
-    return weight_reads.regathered(contract, x, shard, layout, keep=(axis,) if axis else ())
+    return weight_reads.regathered(contract, x, shard, layout, keep=(axis,) if axis else (),
+                                   prefetch=_keras_layouts().prefetch)
 
 
 def _read_slice(variable, axis, dim):

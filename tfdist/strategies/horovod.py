@@ -57,6 +57,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         batch_dim_name: with `layout_map`, the mesh axis named after the batch
             (default: the first).
         reshard_after_forward: with `layout_map`, as `ModelParallel`'s.
+        prefetch: with `layout_map`, as `ModelParallel`'s.
         initialize_shards: with `layout_map`, as `ModelParallel`'s, for random
             initializers with an integer seed (ranks holding the same shard
             must draw the same numbers); others start from rank 0's whole value.
@@ -86,7 +87,8 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     def __init__(self, compression: str = "none", device: Optional[str] = None,
                  reduction: str = "sum", mesh_shape=None, layout=None, layout_map=None,
                  batch_dim_name: Optional[str] = None, reshard_after_forward: bool = True,
-                 initialize_shards: bool = False, zero_stage: int = 0):
+                 initialize_shards: bool = False, zero_stage: int = 0,
+                 prefetch: bool = False):
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
                              f"received compression={compression!r}.")
@@ -112,7 +114,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                                                   batch_dim_name,
                                                   initialize_shards=initialize_shards,
                                                   reshard_after_forward=reshard_after_forward,
-                                                  zero_stage=zero_stage)
+                                                  zero_stage=zero_stage, prefetch=prefetch)
             mesh_shape = keras_layouts.mesh_shape
             layout = getattr(layout_map, "layout_rules", None)  # a RulesLayoutMap's
         elif zero_stage:
