@@ -241,7 +241,7 @@ def dense_call(layer, inputs, training=None):
 
 
 def pairing_plan(columns, row):
-    """`(axis, size)` when `columns` and `row` can be paired (`keras_tp_pairs`), else None.
+    """The size of the mesh axis `columns` and `row` pair over (`keras_tp_pairs`), or None.
 
     They can when each is exactly a `Dense` or `EinsumDense` that runs tensor
     parallel over one mesh axis, the columns splitting their last output
@@ -261,7 +261,7 @@ def pairing_plan(columns, row):
     wanted = [(axis, "column", -1)] * len(columns) + [(axis, "row", -1)]
     if axis is None or kinds != wanted:
         return None
-    return axis, collectives.axis_size(axis)
+    return collectives.axis_size(axis)
 
 
 def _gathered_rows(x, axis):

@@ -60,14 +60,13 @@ _local = threading.local()  # replicas are traced in threads of their own
 
 
 class Pair:
-    """One traced block call's pairing: its column layers, row layer and mesh axis."""
+    """One traced block call's pairing: its column layers, row layer and mesh axis size."""
 
-    def __init__(self, block, columns, row, axis, size):
+    def __init__(self, block, columns, row, size):
         self.block = block
         self.columns = columns
         self.row = row
-        self.axis = axis
-        self.size = size  # devices along `axis`
+        self.size = size  # devices along the mesh axis the layers split
         self.outputs = []  # the column layers' local columns, as Keras sees them
         self.row_reads = []  # the ops the row layer read them with (shape, reshape)
         self.gathered = {}  # (tensor, axis): its rows gathered over the axis
@@ -179,7 +178,7 @@ def _dispatcher(original, attributes, plan):
         planned = plan(columns, row)
         if planned is None:
             return original(self, *args, **kwargs)
-        _local.pair = pair = Pair(self, columns, row, *planned)
+        _local.pair = pair = Pair(self, columns, row, planned)
         try:
             out = original(self, *args, **kwargs)
         finally:
@@ -206,9 +205,9 @@ def block_classes():
 def install(plan) -> None:
     """Replaces each known block's `call` by a pairing dispatcher (idempotent).
 
-    `plan(columns, row)` gives `(mesh axis, its size)` when the layers would run
-    column- and row-parallel over one mesh axis with their split dimension last,
-    else None (each layer runs alone).
+    `plan(columns, row)` gives the size of the one mesh axis the layers would run
+    column- and row-parallel over, their split dimension last, else None (each
+    layer runs alone).
     """
     for cls, attributes in block_classes().items():
         current = cls.__dict__["call"]
