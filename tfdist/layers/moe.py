@@ -505,10 +505,12 @@ class MoE(keras.layers.Layer):
             # [E, G, C, M] -> [E/A, G*A, C, M]: each device gets its experts' tokens.
             expert_in = collectives.all_to_all(expert_in, self._expert_axis, split_dim=0,
                                                concat_dim=1, shape_varies=self.dropless)
-        hidden = self.activation(tf.einsum("egcm,emh->egch", expert_in, self.wi))
+        buffers = tf.shape(expert_in)
+        rows = tf.reshape(expert_in, [buffers[0], -1, expert_in.shape[-1]])  # [E', G'*C, M]
+        hidden = self.activation(tf.matmul(rows, self.wi))
         if training and self.dropout > 0:
             hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
-        expert_out = tf.einsum("egch,ehm->egcm", hidden, self.wo)  # [E', G', C, M]
+        expert_out = tf.reshape(tf.matmul(hidden, self.wo), buffers)  # [E', G', C, M]
         if self._expert_axis is not None:
             # [E/A, G*A, C, M] -> [E, G, C, M]: outputs go back to their tokens.
             expert_out = collectives.all_to_all(expert_out, self._expert_axis, split_dim=1,
