@@ -301,6 +301,26 @@ def test_moe_matches_per_token_loop(mesh, layout, per_token_run):
     print(f"MoE {list(MODES)} {mesh} {layout}: {report}")
 
 
+def _dropless_model():
+    x = inputs = keras.Input((LENGTH, D_MODEL))
+    y = MoE(4, 16, group_size=4, top_k=2, dropless=True, shared_d_ff=8, aux_loss_coef=1e-1,
+            z_loss_coef=1e-3, name="dropless")(x)
+    return keras.Model(inputs, x + y)
+
+
+# Experts not split (data parallel, or their hidden units split): dropless computes each
+# expert's FFN on exactly its own rows, not on padded buffers (the path the meshes above,
+# all splitting experts but 1x1, take).
+@pytest.mark.parametrize("mesh, layout", [("data:2;model:1", "batch:data"),
+                                          ("data:2;model:2", "batch:data;d_ff:model")])
+def test_dropless_with_whole_experts_matches_per_token_loop(mesh, layout, computed_once):
+    reference = computed_once("moe_dropless_per_token_run", lambda: run_reference(
+        _dropless_model, *_data(20), run_eagerly=True, **EQUIVALENCE))
+    report = assert_equivalent(_dropless_model, MeshStrategy(mesh, layout), *_data(20),
+                               reference_run=reference, rtol=1e-5, **EQUIVALENCE)
+    print(f"MoE dropless {mesh} {layout}: {report}")
+
+
 def test_expert_weights_are_one_share_per_device():
     strategy = MeshStrategy("data:2;model:4", "batch:data;experts:model")
     with strategy.scope():

@@ -20,7 +20,8 @@ carries them):
 
 Expert choice: each expert takes its C = ceil(S * capacity_factor / E)
 highest-scoring tokens of a group. Dropless: token choice with buffers sized
-each step by the busiest expert, nothing dropped.
+each step by the busiest expert, nothing dropped; where every expert is on the
+device (no `experts:A`), each expert's FFN runs on exactly its own rows instead.
 
 Dispatch is by index: each expert's buffer `[E, G, C, M]` is gathered from the
 tokens and the outputs scatter-added back with their gates, O(E*G*C*M) moves
@@ -206,7 +207,9 @@ class MoE(keras.layers.Layer):
         dropless: token choice that drops no token: the experts' buffers are
             sized each step by the busiest expert (agreed over the expert
             axis, rounded up to one of a bounded set of sizes, at most the
-            replica's token count); the capacity arguments are unused.
+            replica's token count); the capacity arguments are unused. Where
+            the experts are not split over devices, no buffer is padded:
+            each expert computes on exactly the tokens routed to it.
         shared_d_ff: hidden size of an always-on FFN added to the routed
             output (DeepSeekMoE / Qwen-MoE shared experts); 0 for none.
         second_expert_policy: `all`, `sampling` or `threshold` (top-2 only).
@@ -480,6 +483,8 @@ class MoE(keras.layers.Layer):
     def _experts(self, tokens, routing, training):
         """The routed output `[T, M]`: buffers gathered by index, outputs scatter-added back."""
         num_tokens = tf.shape(tokens)[0]
+        if self.dropless and self._expert_axis is None:
+            return self._ragged_experts(tokens, routing, training)
         padded = tf.concat([tokens, tf.zeros_like(tokens[:1])], axis=0)  # row T: empty slots
         expert_in = tf.gather(padded, routing.slot_token)  # [E, G, C, M]
         expert_out = self._expert_ffn(expert_in, training)
@@ -487,6 +492,29 @@ class MoE(keras.layers.Layer):
         y = tf.math.unsorted_segment_sum(tf.reshape(weighted, [-1, tokens.shape[-1]]),
                                          tf.reshape(routing.slot_token, [-1]), num_tokens + 1)
         return y[:-1]
+
+    def _ragged_experts(self, tokens, routing, training):
+        """Dropless with every expert here: each expert's FFN on exactly its own rows.
+
+        The pooled buffers `[E, 1, C]` are filled from slot 0 on, so their
+        filled slots, expert by expert, are the routed rows sorted by expert:
+        no padding row is computed (the padded buffers cost every expert the
+        busiest one's load, rounded up to a bucket).
+        """
+        num_tokens = tf.shape(tokens)[0]
+        filled = routing.slot_token < num_tokens  # [E, 1, C]
+        token = tf.boolean_mask(routing.slot_token, filled)  # [N], expert by expert
+        gate = tf.boolean_mask(routing.slot_gate, filled)
+        loads = tf.reduce_sum(tf.cast(filled, tf.int32), axis=[1, 2])  # [E]
+        rows = tf.split(tf.gather(tokens, token), loads, num=self.num_experts)
+        outputs = []
+        for x, wi, wo in zip(rows, tf.unstack(self.wi), tf.unstack(self.wo)):
+            hidden = self.activation(tf.matmul(x, wi))
+            if training and self.dropout > 0:
+                hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
+            outputs.append(tf.matmul(hidden, wo))
+        weighted = tf.concat(outputs, axis=0) * tf.cast(gate, tokens.dtype)[:, None]
+        return tf.math.unsorted_segment_sum(weighted, token, num_tokens)
 
     def _one_hot_experts(self, groups, logits, S, training, token_mask):
         """GShard's formulation: one-hot dispatch and combine einsums."""
