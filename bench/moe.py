@@ -17,6 +17,13 @@ device, 1x2 and 1x4 (`experts:model`; the dense FFNs Megatron-split with
 1 - dense / moe, against the dense FFN of the same FLOPs. On a 2-core CPU the
 virtual devices share two cores: ratios compare the layers, not scaling.
 
+A last table splits one device's top-2 (cf 1.25) layer, forward and backward
+with no optimizer, into its parts, timed interleaved in one process (so a
+slow spell falls on all alike): the whole MoE layer (index and one-hot
+dispatch), its experts' two matmuls alone on buffers of the same shape, and
+the dense FFN of the same FLOPs. routing = 1 - experts alone / layer; the
+experts' matmuls against the dense ones show what batching them costs.
+
 Each case runs in its own process; the cases of a mesh are interleaved over
 `--rounds` rounds (case order rotated each round), so a slow spell of the
 machine falls on every case alike. A process's time is its fastest of
@@ -30,6 +37,7 @@ its min and max over rounds.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -95,6 +103,52 @@ def time_fit(model, x, y, steps):
     return seconds, history.history.get("moe_dropped", [0.0])[-1]
 
 
+def breakdown(repeats=40):
+    """One device: ms (fastest of `repeats`, interleaved) of the top-2 layer's parts."""
+    import tensorflow as tf
+
+    x = tf.random.normal([BATCH, LENGTH, D_MODEL])
+    capacity = int(np.ceil(2 * GROUP * 1.25 / EXPERTS))
+    groups = BATCH * LENGTH // GROUP
+
+    def step(call, weights):
+        @tf.function
+        def run():
+            with tf.GradientTape() as tape:
+                y = call()
+                loss = tf.reduce_sum(y * y)
+            return tf.add_n([tf.reduce_sum(g) for g in tape.gradient(loss, weights)])
+        return run
+
+    parts = {}
+    for name, dispatch in (("MoE layer, index", "index"), ("MoE layer, one-hot", "one_hot")):
+        layer = MoE(EXPERTS, D_FF, group_size=GROUP, top_k=2, capacity_factor=1.25,
+                    dispatch=dispatch)
+        layer.build(x.shape)
+        parts[name] = step(lambda layer=layer: layer(x, training=True),
+                           layer.trainable_variables)
+    buffers = tf.random.normal([EXPERTS, groups * capacity, D_MODEL])
+    wi = tf.Variable(tf.random.normal([EXPERTS, D_MODEL, D_FF]) * 0.05)
+    wo = tf.Variable(tf.random.normal([EXPERTS, D_FF, D_MODEL]) * 0.05)
+    parts["experts alone"] = step(lambda: tf.matmul(tf.nn.relu(tf.matmul(buffers, wi)), wo),
+                                  [wi, wo])
+    d_ff = CASES["top-2 cf 1.25"][1]
+    tokens = tf.reshape(x, [-1, D_MODEL])
+    dense_wi = tf.Variable(tf.random.normal([D_MODEL, d_ff]) * 0.05)
+    dense_wo = tf.Variable(tf.random.normal([d_ff, D_MODEL]) * 0.05)
+    parts[f"dense d_ff {d_ff}"] = step(
+        lambda: tf.matmul(tf.nn.relu(tf.matmul(tokens, dense_wi)), dense_wo), [dense_wi, dense_wo])
+    times = {name: [] for name in parts}
+    for run in parts.values():
+        run()  # trace, warm up
+    for _ in range(repeats):
+        for name, run in parts.items():
+            start = time.perf_counter()
+            run().numpy()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
@@ -120,6 +174,9 @@ def main():
         # crashed TF here: a segfault in a compute thread).
         seconds, dropped = {}, {}
         keys = sorted({d_ff for _, d_ff in CASES.values()}) + list(CASES)
+        if args.only == "breakdown":
+            print(f"RESULT {json.dumps(breakdown())}")
+            return
         if args.only is not None:
             key = args.only if args.only in CASES else int(args.only)
             if key in CASES:
@@ -150,6 +207,19 @@ def main():
         for key in keys:  # each round's process, to see which side varies
             print(f"{mesh:<16}{str(key):<19}ms per round: "
                   + " ".join(f"{s * 1e3:.1f}" for s in seconds[key]), flush=True)
+    if args.only is None:
+        out = subprocess.run([sys.executable, __file__, "--meshes", MESHES[0], "--only",
+                              "breakdown"], capture_output=True, text=True, check=True).stdout
+        parts = json.loads(out.split("RESULT ")[-1])
+        experts = parts["experts alone"]
+        print(f"\none device, top-2 cf 1.25, forward and backward, no optimizer (fastest of "
+              f"40, interleaved in one process):")
+        for name, seconds in parts.items():
+            routing = f"routing {1 - experts / seconds:.0%}" if name.startswith("MoE") else ""
+            print(f"  {name:<20}{seconds * 1e3:>7.1f} ms  {routing}".rstrip())
+        dense = [v for k, v in parts.items() if k.startswith("dense")][0]
+        print(f"  experts' batched matmuls / dense matmuls of the same FLOPs: "
+              f"{experts / dense:.2f}")
 
 
 if __name__ == "__main__":
