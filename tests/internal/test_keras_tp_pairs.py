@@ -1,5 +1,6 @@
 """tfdist.internal.keras_tp_pairs: Megatron pairing of feed-forward blocks, exact and checked."""
 
+import contextlib
 import inspect
 
 import keras
@@ -205,3 +206,73 @@ def test_anything_but_elementwise_ops_between_the_pair_is_an_error(paired_block,
         model.compile("sgd", "mse")
     with pytest.raises(RuntimeError, match=message):
         model.fit(np.ones((8, 6), "float32"), np.ones((8, 8), "float32"), verbose=0)
+
+
+
+def _fit_block(optimizer, x, y, scope=None):
+    """The loss curve, weights and optimizer variables of the elementwise block model
+    fitted on one device, or under `scope` from the one-device model's initial weights."""
+    keras.utils.set_random_seed(0)
+    model = reference = _block_model("elementwise")
+    if scope is not None:
+        with scope():
+            model = _block_model("elementwise")
+        model.set_weights(reference.get_weights())
+    with scope() if scope is not None else contextlib.nullcontext():
+        model.compile(optimizer(), keras.losses.MeanSquaredError())
+    loss = model.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    return loss, model.get_weights(), [v.numpy() for v in model.optimizer.variables], model
+
+
+def _rows(n):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.normal(size=(n, 8)).astype("float32")
+
+
+def test_keras_training_options_on_a_paired_block_match_one_device(paired_block):
+    """global_clipnorm, EMA with overwrite, gradient accumulation and a 4-row last batch
+    through the paired block (1x2): the loss curve, weights and every optimizer variable."""
+    strategy = td.ModelParallel(layout_map=_block_layout_map((1, 2)), batch_dim_name="batch")
+    x, y = _rows(76)
+
+    def optimizer(clipnorm=0.05):
+        return lambda: keras.optimizers.Adam(
+            1e-2, global_clipnorm=clipnorm, use_ema=True, ema_momentum=0.9,
+            ema_overwrite_frequency=3, gradient_accumulation_steps=2)
+
+    with recorded(strategy, "all_to_all") as shapes:
+        curve, weights, slots, _ = _fit_block(optimizer(), x, y, strategy.scope)
+    reference_curve, reference_weights, reference_slots, _ = _fit_block(optimizer(), x, y)
+    assert shapes and {s[-1] for s in shapes} == {8}, shapes  # paired: no d_ff-wide exchange
+    np.testing.assert_allclose(curve, reference_curve, rtol=1e-5)
+    for a, b in zip(weights + slots, reference_weights + reference_slots):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    _, unclipped, _, _ = _fit_block(optimizer(None), x, y)  # without the threshold: elsewhere
+    assert max(np.abs(a - b).max() for a, b in zip(unclipped, reference_weights)) > 1e-3
+
+
+@pytest.fixture
+def mixed_bfloat16():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16_on_a_paired_block_matches_the_one_device_model(paired_block,
+                                                                        mixed_bfloat16):
+    """bfloat16 rounds every partial sum: the weights' relative L2 error, as
+    tests/distribution/test_model_parallel.py measures Keras layers."""
+    strategy = td.ModelParallel(layout_map=_block_layout_map((1, 2)), batch_dim_name="batch")
+    x, y = _rows(80)
+    adam = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    with recorded(strategy, "all_to_all") as shapes:
+        curve, weights, _, model = _fit_block(adam, x, y, strategy.scope)
+    reference_curve, reference_weights, _, _ = _fit_block(adam, x, y)
+    assert shapes and {s[-1] for s in shapes} == {8}, shapes
+    assert model.get_layer("block").down.compute_dtype == "bfloat16"
+    a = np.concatenate([w.ravel() for w in weights])
+    b = np.concatenate([w.ravel() for w in reference_weights])
+    relative = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    loss = max(abs(p - q) / abs(q) for p, q in zip(curve, reference_curve))
+    print(f"mixed_bfloat16 paired block 1x2: weights {relative:.1e} (relative L2), loss {loss:.1e}")
+    assert relative < 2e-2 and loss < 1e-2
