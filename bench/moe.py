@@ -163,6 +163,9 @@ def main():
     x = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
     y = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
     tokens = BATCH * LENGTH
+    if args.only == "breakdown":
+        print(f"RESULT {json.dumps(breakdown())}")
+        return
     print(f"MoE bench: E={EXPERTS}, d_model {D_MODEL}, expert d_ff {D_FF}, group {GROUP}; "
           f"{tokens} tokens/step; a process's time: fastest of {args.repeats} epochs of "
           f"{args.steps} steps; {args.rounds} interleaved rounds; "
@@ -174,9 +177,6 @@ def main():
         # crashed TF here: a segfault in a compute thread).
         seconds, dropped = {}, {}
         keys = sorted({d_ff for _, d_ff in CASES.values()}) + list(CASES)
-        if args.only == "breakdown":
-            print(f"RESULT {json.dumps(breakdown())}")
-            return
         if args.only is not None:
             key = args.only if args.only in CASES else int(args.only)
             if key in CASES:

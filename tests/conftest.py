@@ -46,6 +46,16 @@ def computed_once(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def mixed_bfloat16():
+    """Keras's global dtype policy `mixed_bfloat16` for one test."""
+    import keras
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
 HOROVOD_BUILD_STATUS = os.environ.get("TFDIST_HOROVOD_BUILD_STATUS")
 
 

@@ -299,13 +299,6 @@ def test_keras_training_options_and_a_partial_last_batch_match_one_device():
                                                   reference.get_weights())) > 1e-3
 
 
-@pytest.fixture
-def mixed_bfloat16():
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_bfloat16_matches_the_single_device_mixed_precision_model(mixed_bfloat16):
     """bfloat16 rounds every partial sum, so the measure is the weights' relative L2
     error (as tests/strategies/test_fit_options.py measures tfdist's own layers)."""

@@ -208,7 +208,6 @@ def test_anything_but_elementwise_ops_between_the_pair_is_an_error(paired_block,
         model.fit(np.ones((8, 6), "float32"), np.ones((8, 8), "float32"), verbose=0)
 
 
-
 def _fit_block(optimizer, x, y, scope=None):
     """The loss curve, weights and optimizer variables of the elementwise block model
     fitted on one device, or under `scope` from the one-device model's initial weights."""
@@ -249,13 +248,6 @@ def test_keras_training_options_on_a_paired_block_match_one_device(paired_block)
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     _, unclipped, _, _ = _fit_block(optimizer(None), x, y)  # without the threshold: elsewhere
     assert max(np.abs(a - b).max() for a, b in zip(unclipped, reference_weights)) > 1e-3
-
-
-@pytest.fixture
-def mixed_bfloat16():
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def test_mixed_bfloat16_on_a_paired_block_matches_the_one_device_model(paired_block,

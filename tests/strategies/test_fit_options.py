@@ -153,13 +153,6 @@ class _BatchLosses(keras.callbacks.Callback):
         self.losses.append(logs["loss"])
 
 
-@pytest.fixture
-def mixed_bfloat16():
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 @pytest.mark.parametrize("mesh", ["data:2;model:2"])  # 1x2: over ranks and workers
 def test_mixed_bfloat16_matches_the_single_device_mixed_precision_model(mesh, mixed_bfloat16):
     """bfloat16 rounds every partial sum: the measure is the weights' relative L2 error,

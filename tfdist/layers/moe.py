@@ -482,9 +482,9 @@ class MoE(keras.layers.Layer):
 
     def _experts(self, tokens, routing, training):
         """The routed output `[T, M]`: buffers gathered by index, outputs scatter-added back."""
-        num_tokens = tf.shape(tokens)[0]
         if self.dropless and self._expert_axis is None:
             return self._ragged_experts(tokens, routing, training)
+        num_tokens = tf.shape(tokens)[0]
         padded = tf.concat([tokens, tf.zeros_like(tokens[:1])], axis=0)  # row T: empty slots
         expert_in = tf.gather(padded, routing.slot_token)  # [E, G, C, M]
         expert_out = self._expert_ffn(expert_in, training)
