@@ -240,12 +240,13 @@ def dense_call(layer, inputs, training=None):
     return _finish(layer, y)
 
 
-def pairing_plan(columns, row):
-    """The size of the mesh axis `columns` and `row` pair over (`keras_tp_pairs`), or None.
+def pairing_plan(columns, row, dim=-1):
+    """`(size, axis)`: the mesh axis `columns` and `row` pair over (`keras_tp_pairs`), or None.
 
     They can when each is exactly a `Dense` or `EinsumDense` that runs tensor
-    parallel over one mesh axis, the columns splitting their last output
-    dimension and the row contracting its last input dimension, and none is
+    parallel over one mesh axis, the columns splitting output dimension `dim`
+    (from the end: -1, a feed-forward block's hidden units; -2, attention's
+    heads) and the row contracting its input dimension `dim`, and none is
     recomputed on its own (its recomputation would run outside the pairing).
     """
     layers = [*columns, row]
@@ -256,12 +257,12 @@ def pairing_plan(columns, row):
     roles = [_role(layer) for layer in layers]
     if any(role is None for role in roles):
         return None
-    kinds = [(axis, kind, dim) for _, axis, kind, dim in roles]
+    kinds = [(axis, kind, d) for _, axis, kind, d in roles]
     axis = kinds[0][0]
-    wanted = [(axis, "column", -1)] * len(columns) + [(axis, "row", -1)]
+    wanted = [(axis, "column", dim)] * len(columns) + [(axis, "row", dim)]
     if axis is None or kinds != wanted:
         return None
-    return collectives.axis_size(axis)
+    return collectives.axis_size(axis), axis
 
 
 def _gathered_rows(x, axis):

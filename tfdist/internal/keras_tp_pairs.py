@@ -166,23 +166,34 @@ def _check_region(pair):
                 "(tfdist.internal.keras_tp_pairs).")
 
 
-def _dispatcher(original, attributes, plan):
-    columns_of, row_of = attributes
+def _dispatcher(original, attributes, plan, substitute=None):
+    """`call` pairing the layer's columns with its row layer; `substitute(layer, pair, axis,
+    *args, **kwargs)`, if given, computes the layer's call on local columns itself (or
+    returns NotImplemented: the original call, unpaired)."""
+    columns_of, row_of, dim = attributes
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):
-        if tf.executing_eagerly() or getattr(_local, "pair", None) is not None:
+        outer = getattr(_local, "pair", None)
+        if tf.executing_eagerly() or (outer is not None and outer.block is self):
             return original(self, *args, **kwargs)
         columns = [getattr(self, name, None) for name in columns_of]
         row = getattr(self, row_of, None)
-        planned = plan(columns, row)
+        planned = plan(columns, row, dim)
         if planned is None:
             return original(self, *args, **kwargs)
-        _local.pair = pair = Pair(self, columns, row, planned)
-        try:
-            out = original(self, *args, **kwargs)
+        size, axis = planned
+        _local.pair = pair = Pair(self, columns, row, size)
+        try:  # within an outer pairing (an attention in a paired block): this one first
+            out = NotImplemented
+            if substitute is not None:
+                out = substitute(self, pair, axis, *args, **kwargs)
+            if out is NotImplemented:
+                if substitute is not None:
+                    _local.pair = outer  # keras-hub's own call: its layers unpaired
+                out = original(self, *args, **kwargs)
         finally:
-            _local.pair = None
+            _local.pair = outer
         if pair.outputs or pair.row_reads:
             _check_region(pair)
         return out
@@ -203,13 +214,18 @@ def block_classes():
 
 
 def install(plan) -> None:
-    """Replaces each known block's `call` by a pairing dispatcher (idempotent).
+    """Replaces each known block's and attention's `call` by a pairing dispatcher (idempotent).
 
-    `plan(columns, row)` gives the size of the one mesh axis the layers would run
-    column- and row-parallel over, their split dimension last, else None (each
-    layer runs alone).
+    `plan(columns, row, dim)` gives `(size, axis)`, the one mesh axis the layers
+    would run column- and row-parallel over, their split dimension `dim` (from
+    the end), and its size; else None (each layer runs alone).
     """
-    for cls, attributes in block_classes().items():
+    from tfdist.internal import keras_hub_attention
+
+    entries = [(cls, (*attributes, -1), None) for cls, attributes in block_classes().items()]
+    entries += [(cls, (*attributes, -2), keras_hub_attention.gemma_attention)
+                for cls, attributes in keras_hub_attention.attention_classes().items()]
+    for cls, attributes, substitute in entries:
         current = cls.__dict__["call"]
         if getattr(current, "_tfdist_original", None) is None:
-            cls.call = _dispatcher(current, attributes, plan)
+            cls.call = _dispatcher(current, attributes, plan, substitute)

@@ -1,0 +1,139 @@
+"""keras-hub's Gemma attention on local heads: nothing exchanged between query, key, value and output.
+
+Private keras-hub detail used here (and only here): `CachedGemmaAttention`'s
+`call` and `_compute_attention`, which this module computes again on the heads
+a device holds. keras-hub reshapes with the global head counts, so its own code
+cannot run on a device's heads; this mirror of it can. `SOURCES` fingerprints
+the keras-hub source it mirrors: where the installed keras-hub differs, the
+substitute is not installed (each layer then exchanges its rows, as alone,
+exact), and `tests/internal/test_keras_hub_attention.py` fails, asking for the
+mirror to be checked against the new source.
+
+Alone (`keras_tensor_parallel`), query, key and value (heads split over mesh
+axis A of size M) each all-to-all their local heads back to whole rows, the
+core runs on every head of a device's `b` rows, and the output projection
+all-to-alls them into local heads again: four head-wide exchanges per call and
+as many in the backward pass. Paired, as Megatron-LM pairs attention:
+
+    x [b, t, d] -> all_gather over A (once for query, key and value)
+        -> query [b*M, t, H/M, h], key and value [b*M, t, K/M, h] (local heads)
+        -> rotary embedding, scores, mask, softmax, weighted values: per row and head
+           (the mask [b, t, t] gathered over A too: rows of the whole group)
+        -> output projection contracted with the kernel's heads [H/M, h, d]
+        -> reduce_scatter over A -> [b, t, d]
+
+Grouped queries stay grouped: device j holds query heads j*H/M.. and key/value
+heads j*K/M.., so its query heads' groups are exactly its key/value heads
+(`K` divides by M, else the plan refuses the pairing).
+"""
+
+import hashlib
+import importlib
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import collectives
+
+# keras-hub classes: (module, class) -> ((query, key, value attributes), output attribute,
+# {method: sha256 of the source mirrored here}).
+SOURCES = {
+    ("keras_hub.src.models.gemma.gemma_attention", "CachedGemmaAttention"): (
+        ("query_dense", "key_dense", "value_dense"), "output_dense", {
+            "call": "d9363a7df8d0c753926db0e2d8df6fd82b1fedda099eb7a8be3cb93d94d486aa",
+            "_compute_attention":
+                "42f069d8da99ba7069cc4f1c5d764b7e46f29e138f8006916c747766474721bd",
+        }),
+}
+
+
+def fingerprint(cls, method: str) -> str:
+    """sha256 of the installed source of `cls.method` (as keras-hub wrote it)."""
+    function = cls.__dict__[method]
+    function = getattr(function, "_tfdist_original", function)
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+
+
+def attention_classes():
+    """{installed keras-hub attention class: (column attributes, row attribute)} whose
+    source is the one mirrored here."""
+    classes = {}
+    for (module, name), (columns, row, sources) in SOURCES.items():
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue  # keras-hub absent, or without this model
+        if all(fingerprint(cls, method) == sha for method, sha in sources.items()):
+            classes[cls] = (columns, row)
+    return classes
+
+
+def _vllm_serving() -> bool:
+    try:
+        from keras_hub.src.vllm.context import get_vllm_context
+    except ImportError:
+        return False
+    context = get_vllm_context()
+    return context is not None and context.paged_attention_func is not None
+
+
+def gemma_attention(layer, pair, axis, x, attention_mask=None, cache=None,
+                    cache_update_index=0, training=False):
+    """`CachedGemmaAttention.call` on this device's heads of every row of the group.
+
+    Returns NotImplemented (keras-hub's call runs, each layer exchanging its
+    rows) for a cache (decoding), dropout in training (its mask would be drawn
+    for another layout of rows), no mask, or vLLM serving.
+    """
+    if (cache is not None or attention_mask is None or (layer.dropout and training)
+            or _vllm_serving()):
+        return NotImplemented
+    from keras import ops
+
+    query = pair.take(layer.query_dense(x))  # [b*M, t, H/M, h]
+    key = pair.take(layer.key_dense(x))  # [b*M, t, K/M, h]
+    value = pair.take(layer.value_dense(x))
+    query = layer._apply_rope(query, cache_update_index)
+    key = layer._apply_rope(key, cache_update_index)
+    full_mask = mask = _gathered_mask(attention_mask, axis)  # [b*M, t, t]
+
+    if layer.query_head_dim_normalize:
+        query_normalization = 1 / np.sqrt(layer.head_dim)
+    else:
+        query_normalization = 1 / np.sqrt(layer.hidden_dim // layer.num_query_heads)
+    if layer.use_sliding_window_attention:
+        mask = layer._mask_sliding_window(mask, cache_update_index=cache_update_index)
+
+    if layer._use_fused_attention_op():
+        kwargs = ({"attn_logits_soft_cap": layer.logit_soft_cap}
+                  if layer.logit_soft_cap is not None else {})
+        vectors = ops.dot_product_attention(
+            query=query, key=key, value=value,
+            mask=ops.cast(ops.expand_dims(mask, axis=1), dtype="bool"),
+            scale=query_normalization, **kwargs)
+    else:
+        query *= ops.cast(query_normalization, dtype=query.dtype)
+        b, q_len, local_heads, h = ops.shape(query)
+        kv_heads = key.shape[-2]  # this device's: K/M
+        query = ops.reshape(query, (b, q_len, kv_heads, local_heads // kv_heads, h))
+        logits = ops.einsum("btkgh,bskh->bkgts", query, key)
+        if layer.logit_soft_cap is not None:
+            logits = ops.divide(logits, layer.logit_soft_cap)
+            logits = ops.multiply(ops.tanh(logits), layer.logit_soft_cap)
+        weights = layer.softmax(logits, mask=mask[:, None, None, :, :])
+        weights = ops.cast(weights, logits.dtype)
+        vectors = ops.einsum("bkgts,bskh->btkgh", weights, value)
+        vectors = ops.reshape(vectors, (b, q_len, local_heads, h))
+
+    # Wipe the vectors of queries that attend to no token (the mask before any window).
+    no_attended_tokens = ops.all(ops.equal(full_mask, 0), axis=-1, keepdims=True)[..., None]
+    vectors = ops.where(no_attended_tokens, ops.zeros_like(vectors), vectors)
+    return layer.output_dense(pair.hand_over(vectors))
+
+
+def _gathered_mask(mask, axis):
+    """The attention mask's rows of the whole group (no gradient flows through a mask)."""
+    mask = tf.stop_gradient(tf.convert_to_tensor(mask))
+    gathered = collectives.all_gather(tf.cast(mask, tf.int32), axis, dim=0)
+    return tf.cast(gathered, mask.dtype)
