@@ -126,7 +126,7 @@ BETWEEN = {
 @pytest.fixture
 def paired_block(monkeypatch):
     monkeypatch.setattr(Block, "call", keras_tp_pairs._dispatcher(
-        Block.call, (("gate", "up"), "down"), keras_tensor_parallel.pairing_plan))
+        Block.call, (("gate", "up"), "down", -1), keras_tensor_parallel.pairing_plan))
 
 
 def _block_model(between):
