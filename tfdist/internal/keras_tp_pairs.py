@@ -29,6 +29,12 @@ them, so after the block has been traced its graph is checked
 (each layer exchanges its rows, as alone) in eager execution, where no graph
 can be checked, and when one of the layers is recomputed on its own
 (`RematScope`), whose recomputation runs outside the block.
+
+Attention layers pair the same way, their heads the split dimension, but the
+ops between query/key/value and the output are not element-wise: there
+`keras_hub_attention` computes the layer's call itself on the local heads
+(a substitute), and the graph check still asserts that nothing else reads
+them. An attention inside a paired block pairs on its own, then the block.
 """
 
 import functools
