@@ -1,4 +1,5 @@
-"""tfdist.internal.keras_hub_attention: Gemma's attention on local heads, exact and checked."""
+"""tfdist.internal.keras_hub_attention: Gemma's and Llama's attention on local heads, exact and
+checked (their 1x2 and 2x2 equivalence with the default options: tests/distribution/test_keras_hub.py)."""
 
 import keras
 import keras_hub
@@ -15,9 +16,9 @@ VOCAB, LENGTH, HIDDEN = 32, 8, 16
 
 def test_each_entry_mirrors_the_installed_keras_hub():
     # A keras-hub whose attention source differs is not paired (exact, exchanging heads):
-    # read its call and _compute_attention, update gemma_attention, then the fingerprints.
+    # read the fingerprinted methods, update the substitute, then the fingerprints.
     classes = keras_hub_attention.attention_classes()
-    assert [cls.__name__ for cls in classes] == ["CachedGemmaAttention"]
+    assert sorted(cls.__name__ for cls in classes) == ["CachedGemmaAttention", "LlamaAttention"]
     td.ModelParallel(layout_map=_layout_map((1, 2)), batch_dim_name="batch")  # installs
     for cls in classes:
         assert getattr(cls.__dict__["call"], "_tfdist_original", None) is not None
@@ -28,8 +29,8 @@ def _mesh(shape):
     return td.DeviceMesh(shape, ("batch", "model"), [f"cpu:{i}" for i in range(n)])
 
 
-def _layout_map(shape):
-    return keras_hub.models.GemmaBackbone.get_layout_map(_mesh(shape))
+def _layout_map(shape, cls=keras_hub.models.GemmaBackbone):
+    return cls.get_layout_map(_mesh(shape))
 
 
 # Gemma 2's options: logits soft-capped, a sliding window, queries scaled by
@@ -40,11 +41,11 @@ GEMMA2 = dict(attention_logit_soft_cap=0.5, use_sliding_window_attention=True,
               use_post_attention_norm=True, use_post_ffw_norm=True)
 
 
-def _language_model(dropout=0.0, **options):
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB, num_layers=1, num_query_heads=8, num_key_value_heads=4,
-        hidden_dim=HIDDEN, intermediate_dim=32, head_dim=4, dropout=dropout, name="backbone",
-        **options)
+def _language_model(dropout=0.0, cls=keras_hub.models.GemmaBackbone, **options):
+    sizes = dict(head_dim=4) if cls is keras_hub.models.GemmaBackbone else {}
+    backbone = cls(vocabulary_size=VOCAB, num_layers=1, num_query_heads=8, num_key_value_heads=4,
+                   hidden_dim=HIDDEN, intermediate_dim=32, dropout=dropout, name="backbone",
+                   **sizes, **options)
     inputs = {"token_ids": keras.Input((LENGTH,), dtype="int32", name="token_ids"),
               "padding_mask": keras.Input((LENGTH,), dtype="int32", name="padding_mask")}
     return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
@@ -73,6 +74,25 @@ def test_query_key_value_and_output_exchange_no_heads(dropout, paired):
         model.fit(*_data(8), batch_size=8, verbose=0)
     heads = [s for s in shapes if len(s) == 5]  # [M, b, t, heads, h]
     assert shapes and (not heads) == paired, shapes
+
+
+def test_llama_attention_with_its_heads_split_matches_one_device_exchanging_no_heads():
+    # Llama's own map splits the query/key/value kernels' d_model (row parallel, its
+    # attention unpaired: test_keras_hub); split over heads, as Megatron does, they pair.
+    cls = keras_hub.models.LlamaBackbone
+    layout_map = _layout_map((2, 2), cls)
+    key = "transformer_layer.*self_attention.*(query|key|value).kernel"
+    del layout_map[key]
+    layout_map[key] = ("batch", "model", None)
+    strategy = td.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    with recorded(strategy, "all_to_all") as shapes:
+        report = assert_equivalent(
+            lambda: _language_model(cls=cls), strategy, *_data(160),
+            reference=lambda: _language_model(cls=cls),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=lambda: keras.optimizers.Adam(1e-3), batch_size=16, steps=10, rtol=2e-5)
+    assert shapes and not [s for s in shapes if len(s) == 5], shapes
+    print(f"Llama attention, heads split, 2x2: {report}")
 
 
 # (1x2 and 2x2, Gemma's default options: tests/distribution/test_keras_hub.py; Gemma 2's on

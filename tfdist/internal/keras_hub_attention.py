@@ -1,9 +1,11 @@
-"""keras-hub's Gemma attention on local heads: nothing exchanged between query, key, value and output.
+"""keras-hub's Gemma and Llama attention on local heads: nothing exchanged between query, key,
+value and output.
 
 Private keras-hub detail used here (and only here): `CachedGemmaAttention`'s
 `call` and `_compute_attention`, which this module computes again on the heads
-a device holds. keras-hub reshapes with the global head counts, so its own code
-cannot run on a device's heads; this mirror of it can. `SOURCES` fingerprints
+a device holds (keras-hub reshapes with the global head counts, so its own code
+cannot run on a device's heads; this mirror of it can), and `LlamaAttention`'s
+`call`, mirrored, whose `_compute_attention` runs on local heads as written. `SOURCES` fingerprints
 the keras-hub source it mirrors: where the installed keras-hub differs, the
 substitute is not installed (each layer then exchanges its rows, as alone,
 exact), and `tests/internal/test_keras_hub_attention.py` fails, asking for the
@@ -37,14 +39,22 @@ import tensorflow as tf
 from tfdist import collectives
 
 # keras-hub classes: (module, class) -> ((query, key, value attributes), output attribute,
-# {method: sha256 of the source mirrored here}).
+# {method: sha256 of its source, as mirrored or relied on here}, substitute's name).
 SOURCES = {
     ("keras_hub.src.models.gemma.gemma_attention", "CachedGemmaAttention"): (
         ("query_dense", "key_dense", "value_dense"), "output_dense", {
             "call": "d9363a7df8d0c753926db0e2d8df6fd82b1fedda099eb7a8be3cb93d94d486aa",
             "_compute_attention":
                 "42f069d8da99ba7069cc4f1c5d764b7e46f29e138f8006916c747766474721bd",
-        }),
+        }, "gemma_attention"),
+    ("keras_hub.src.models.llama.llama_attention", "LlamaAttention"): (
+        ("_query_dense", "_key_dense", "_value_dense"), "_output_dense", {
+            "call": "4e692b3fd360790b138b5fcd90d6fdd2da0d2f476d2d02af4b38c31c753e2476",
+            "_compute_attention":
+                "a03c2791a8626c61bb61dbc47fb6423bc97351ea66f0caa9cd65a1278e9652c3",
+            "_masked_softmax":
+                "6dc0c0c2dc9cadc378bd43f6e4cc3175a52155ae299706a6805a1152198b56b4",
+        }, "llama_attention"),
 }
 
 
@@ -56,16 +66,16 @@ def fingerprint(cls, method: str) -> str:
 
 
 def attention_classes():
-    """{installed keras-hub attention class: (column attributes, row attribute)} whose
-    source is the one mirrored here."""
+    """{installed keras-hub attention class: (column attributes, row attribute, substitute)}
+    whose source is the one mirrored here."""
     classes = {}
-    for (module, name), (columns, row, sources) in SOURCES.items():
+    for (module, name), (columns, row, sources, substitute) in SOURCES.items():
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue  # keras-hub absent, or without this model
         if all(fingerprint(cls, method) == sha for method, sha in sources.items()):
-            classes[cls] = (columns, row)
+            classes[cls] = (columns, row, globals()[substitute])
     return classes
 
 
@@ -130,6 +140,31 @@ def gemma_attention(layer, pair, axis, x, attention_mask=None, cache=None,
     no_attended_tokens = ops.all(ops.equal(full_mask, 0), axis=-1, keepdims=True)[..., None]
     vectors = ops.where(no_attended_tokens, ops.zeros_like(vectors), vectors)
     return layer.output_dense(pair.hand_over(vectors))
+
+
+def llama_attention(layer, pair, axis, hidden_states, attention_mask=None, cache=None,
+                    cache_update_index=None, training=None):
+    """`LlamaAttention.call` on this device's heads of every row of the group.
+
+    Its `_compute_attention` (einsums over whatever heads it is given, the
+    mask broadcast over heads) runs as keras-hub wrote it, on the local heads
+    and the gathered mask. NotImplemented (keras-hub's call, unpaired) for a
+    cache, dropout in training, no mask, or vLLM serving.
+    """
+    if (cache is not None or cache_update_index is not None or attention_mask is None
+            or (layer.dropout and training) or _vllm_serving()):
+        return NotImplemented
+    from keras import ops
+
+    query = pair.take(layer._query_dense(hidden_states))  # [b*M, t, H/M, h]
+    query = layer.rotary_embedding_layer(query, start_index=0)
+    key = pair.take(layer._key_dense(hidden_states))  # [b*M, t, K/M, h]
+    value = pair.take(layer._value_dense(hidden_states))
+    key = layer.rotary_embedding_layer(key, start_index=0)
+    key = ops.repeat(key, repeats=layer.num_key_value_groups, axis=2)
+    value = ops.repeat(value, repeats=layer.num_key_value_groups, axis=2)
+    vectors = layer._compute_attention(query, key, value, _gathered_mask(attention_mask, axis))
+    return layer._output_dense(pair.hand_over(vectors))
 
 
 def _gathered_mask(mask, axis):

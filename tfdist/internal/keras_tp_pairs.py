@@ -229,8 +229,8 @@ def install(plan) -> None:
     from tfdist.internal import keras_hub_attention
 
     entries = [(cls, (*attributes, -1), None) for cls, attributes in block_classes().items()]
-    entries += [(cls, (*attributes, -2), keras_hub_attention.gemma_attention)
-                for cls, attributes in keras_hub_attention.attention_classes().items()]
+    entries += [(cls, (columns, row, -2), substitute) for cls, (columns, row, substitute)
+                in keras_hub_attention.attention_classes().items()]
     for cls, attributes, substitute in entries:
         current = cls.__dict__["call"]
         if getattr(current, "_tfdist_original", None) is None:
