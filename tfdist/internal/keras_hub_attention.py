@@ -5,11 +5,12 @@ Private keras-hub detail used here (and only here): `CachedGemmaAttention`'s
 `call` and `_compute_attention`, which this module computes again on the heads
 a device holds (keras-hub reshapes with the global head counts, so its own code
 cannot run on a device's heads; this mirror of it can), and `LlamaAttention`'s
-`call`, mirrored, whose `_compute_attention` runs on local heads as written. `SOURCES` fingerprints
-the keras-hub source it mirrors: where the installed keras-hub differs, the
-substitute is not installed (each layer then exchanges its rows, as alone,
-exact), and `tests/internal/test_keras_hub_attention.py` fails, asking for the
-mirror to be checked against the new source.
+`call`, mirrored, whose `_compute_attention` runs on local heads as written.
+`SOURCES` fingerprints the keras-hub source it mirrors or relies on: where the
+installed keras-hub differs, the substitute is not installed (each layer then
+exchanges its rows, as alone, exact), and
+`tests/internal/test_keras_hub_attention.py` fails, asking for the mirror to be
+checked against the new source.
 
 Alone (`keras_tensor_parallel`), query, key and value (heads split over mesh
 axis A of size M) each all-to-all their local heads back to whole rows, the
@@ -25,8 +26,9 @@ as many in the backward pass. Paired, as Megatron-LM pairs attention:
         -> reduce_scatter over A -> [b, t, d]
 
 Grouped queries stay grouped: device j holds query heads j*H/M.. and key/value
-heads j*K/M.., so its query heads' groups are exactly its key/value heads
-(`K` divides by M, else the plan refuses the pairing).
+heads j*K/M.., so its query heads' groups are exactly its key/value heads (a
+layout can split K over M only where M divides it; with key and value not
+split, the plan finds no pair and nothing is paired).
 """
 
 import hashlib
