@@ -141,6 +141,17 @@ def _all_gather(ctx, x, dim):
     return op(x)
 
 
+def all_gather_gradient(dy, axis: Optional[str], dim: int, local_shape):
+    """The gradient `all_gather(x, axis, dim)` gives `x` (of `local_shape`) for `dy`: `dy`
+    reduce-scattered over `axis` on `dim`, kept sparse for `IndexedSlices` over rows."""
+    ctx = axis_context(axis)
+    if ctx is None:
+        return dy
+    if isinstance(dy, tf.IndexedSlices):
+        return _sparse_reduce_scatter(ctx, dy, dim, tf.TensorShape(local_shape))
+    return _reduce_scatter(ctx, dy, dim)
+
+
 def gathered_as(x, whole, axis: Optional[str], dim: int = 0):
     """`whole`, a kept `all_gather(x, axis, dim)`, differentiated as that gather of `x`.
 

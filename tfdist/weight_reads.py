@@ -122,6 +122,51 @@ def _gather(value, layout, axes):
     return value
 
 
+def looked_up(ids, shard, layout, keep=()):
+    """Rows `ids` (int, any shape) of the weight gathered from `shard`, as
+    `keras.ops.take(weight, ids, axis=0)` reads them (FSDP: an embedding lookup).
+
+    Gathered for the forward pass only: a lookup's weight gradient is its output
+    gradient summed into the rows it read, which needs no weight value, so the
+    backward pass gathers nothing (`regathered` would gather the whole weight
+    again for nothing) and nothing keeps the gathered weight alive. The
+    gradient reaches the shards as the gathers' gradients would carry it:
+    `IndexedSlices`, reduce-scattered and kept sparse.
+    """
+    keep = set(keep) | getattr(_state, "local", frozenset())
+    axes = [a for a in layout.sharded_mesh_axes if a not in keep]
+    if not axes:
+        return tf.gather(shard, ids)
+    shapes = [shard.shape]  # before each gather, in gather order
+    for dim, axis in enumerate(layout.mesh_axes):
+        if axis in axes:
+            whole = shapes[-1].as_list()
+            whole[dim] *= collectives.axis_size(axis)
+            shapes.append(tf.TensorShape(whole))
+    whole_shape = shapes[-1]
+    ids = tf.convert_to_tensor(ids)
+    # keras.ops.take on TF counts negative ids from the end.
+    rows = tf.where(ids < 0, ids + tf.cast(whole_shape[0], ids.dtype), ids)
+
+    @tf.custom_gradient
+    def run(shard):
+        with tf.control_dependencies([ids]):  # not before the forward pass reaches here
+            ready = tf.identity(shard)
+
+        def grad(dy):
+            dy = tf.IndexedSlices(tf.reshape(dy, [-1, *whole_shape[1:]]),
+                                  tf.reshape(tf.cast(rows, tf.int64), [-1]),
+                                  tf.constant(whole_shape.as_list(), tf.int64))
+            gathered = [(dim, axis) for dim, axis in enumerate(layout.mesh_axes) if axis in axes]
+            for (dim, axis), local_shape in zip(reversed(gathered), reversed(shapes[:-1])):
+                dy = collectives.all_gather_gradient(dy, axis, dim, local_shape)
+            return dy
+
+        return tf.gather(_gather(ready, layout, axes), rows), grad
+
+    return run(shard)
+
+
 def _ahead(tensor, kind):
     """The tensor the previous `regathered` of this trace and replica waited for (`kind`:
     "forward" inputs or "backward" output gradients), else `tensor`; records `tensor`.

@@ -278,6 +278,34 @@ def test_fsdp_gathers_again_in_the_backward_pass_instead_of_keeping_the_weight(m
     assert _weights_kept_for_the_backward_pass(strategy, layer, x)  # asked to keep it
 
 
+@pytest.mark.parametrize("layout", [("batch", None), (None, "batch")], ids=["rows", "columns"])
+def test_an_fsdp_embedding_gathers_its_table_for_the_forward_pass_only(layout):
+    # A lookup's table gradient needs no table value: the backward pass gathers nothing
+    # (its gradient reduce-scatter gathers ids and rows, reading no variable) and keeps
+    # nothing. (Its values: test_each_entry_equals_the_keras_call...[embedding_fsdp-*].)
+    strategy = _strategy((2, 2), {"e/embeddings": layout})
+    with strategy.scope():
+        layer = keras.layers.Embedding(16, 8, name="e")
+        layer.build((None, 3))
+    ids = tf.constant([[1, 2, 15], [0, 7, 7]])
+    assert _weights_kept_for_the_backward_pass(strategy, layer, ids) == []
+
+    def replica():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids))
+        return tape.gradient(loss, layer.embeddings.value)
+
+    graph = tf.function(lambda: strategy.run(replica)).get_concrete_function().graph
+    ops = [op for op in graph.get_operations() if not op.name.startswith("replica_")]
+    start = next(i for i, op in enumerate(ops) if "gradient_tape" in op.name.split("/"))
+
+    def reads_a_variable(op):
+        return op.type == "ReadVariableOp" or any(reads_a_variable(t.op) for t in op.inputs)
+
+    gathers = [op for op in ops if op.type == "CollectiveGatherV2" and reads_a_variable(op)]
+    assert len(gathers) == 1 and ops.index(gathers[0]) < start, [op.name for op in gathers]
+
+
 def _gather_waits(strategy, layers, x):
     """For replica 0's forward and backward weight gathers, in trace order: the tensors
     their shard read waits for (control inputs of the `Identity` before the gather)."""

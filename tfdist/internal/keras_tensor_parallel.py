@@ -283,6 +283,11 @@ def embedding_call(layer, inputs):
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
     if axis is None:  # FSDP
+        if _keras_layouts().reshard_after_forward and not keras_variables.keeps_whole(
+                layer.embeddings):  # gathered for the forward pass only
+            with weight_reads.local_axes(*layout.sharded_mesh_axes):
+                shard = tf.convert_to_tensor(layer.embeddings)
+            return tf.cast(weight_reads.looked_up(ids, shard, layout), layer.compute_dtype)
         out = _contract(lambda ids, table: keras.ops.take(table, ids, axis=0), ids,
                         layer.embeddings, layout)
         return tf.cast(out, layer.compute_dtype)
