@@ -131,24 +131,22 @@ def all_gather(x, axis: Optional[str], dim: int = 0):
 def _all_gather(ctx, x, dim):
     @tf.custom_gradient
     def op(x):
-        def grad(dy):
-            if isinstance(dy, tf.IndexedSlices):  # a gathered weight read by `tf.gather`
-                return _sparse_reduce_scatter(ctx, dy, dim, x.shape)
-            return _reduce_scatter(ctx, dy, dim)
-
-        return _gather_on(ctx, x, dim), grad
+        return _gather_on(ctx, x, dim), lambda dy: _gather_gradient(ctx, dy, dim, x.shape)
 
     return op(x)
 
 
 def all_gather_gradient(dy, axis: Optional[str], dim: int, local_shape):
-    """The gradient `all_gather(x, axis, dim)` gives `x` (of `local_shape`) for `dy`: `dy`
-    reduce-scattered over `axis` on `dim`, kept sparse for `IndexedSlices` over rows."""
+    """The gradient `all_gather(x, axis, dim)` gives `x` (of `local_shape`) for `dy`."""
     ctx = axis_context(axis)
-    if ctx is None:
-        return dy
+    return dy if ctx is None else _gather_gradient(ctx, dy, dim, tf.TensorShape(local_shape))
+
+
+def _gather_gradient(ctx, dy, dim, local_shape):
+    """`dy` reduce-scattered on `dim`; kept sparse for `IndexedSlices` (a gathered weight
+    read by `tf.gather`)."""
     if isinstance(dy, tf.IndexedSlices):
-        return _sparse_reduce_scatter(ctx, dy, dim, tf.TensorShape(local_shape))
+        return _sparse_reduce_scatter(ctx, dy, dim, local_shape)
     return _reduce_scatter(ctx, dy, dim)
 
 

@@ -135,18 +135,18 @@ def looked_up(ids, shard, layout, keep=()):
     """
     keep = set(keep) | getattr(_state, "local", frozenset())
     axes = [a for a in layout.sharded_mesh_axes if a not in keep]
-    if not axes:
-        return tf.gather(shard, ids)
+    gathered = [(dim, axis) for dim, axis in enumerate(layout.mesh_axes) if axis in axes]
     shapes = [shard.shape]  # before each gather, in gather order
-    for dim, axis in enumerate(layout.mesh_axes):
-        if axis in axes:
-            whole = shapes[-1].as_list()
-            whole[dim] *= collectives.axis_size(axis)
-            shapes.append(tf.TensorShape(whole))
+    for dim, axis in gathered:
+        whole = shapes[-1].as_list()
+        whole[dim] *= collectives.axis_size(axis)
+        shapes.append(tf.TensorShape(whole))
     whole_shape = shapes[-1]
     ids = tf.convert_to_tensor(ids)
     # keras.ops.take on TF counts negative ids from the end.
     rows = tf.where(ids < 0, ids + tf.cast(whole_shape[0], ids.dtype), ids)
+    if not gathered:
+        return tf.gather(shard, rows)
 
     @tf.custom_gradient
     def run(shard):
@@ -157,7 +157,6 @@ def looked_up(ids, shard, layout, keep=()):
             dy = tf.IndexedSlices(tf.reshape(dy, [-1, *whole_shape[1:]]),
                                   tf.reshape(tf.cast(rows, tf.int64), [-1]),
                                   tf.constant(whole_shape.as_list(), tf.int64))
-            gathered = [(dim, axis) for dim, axis in enumerate(layout.mesh_axes) if axis in axes]
             for (dim, axis), local_shape in zip(reversed(gathered), reversed(shapes[:-1])):
                 dy = collectives.all_gather_gradient(dy, axis, dim, local_shape)
             return dy

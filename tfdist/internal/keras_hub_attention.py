@@ -31,6 +31,7 @@ layout can split K over M only where M divides it; with key and value not
 split, the plan finds no pair and nothing is paired).
 """
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -67,6 +68,7 @@ def fingerprint(cls, method: str) -> str:
     return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
 
 
+@functools.cache  # the installed sources do not change within a process
 def attention_classes():
     """{installed keras-hub attention class: (column attributes, row attribute, substitute)}
     whose source is the one mirrored here."""

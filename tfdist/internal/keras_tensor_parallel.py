@@ -88,20 +88,25 @@ def _dim_on(variable, axis) -> Optional[int]:
     return layout.mesh_axes.index(axis)
 
 
-def _contract(contract, x, variable, layout, axis=None):
+def _contract(contract, x, variable, layout, axis=None, lookup=False):
     """`contract(x, weight)`: the weight's dimension on `axis` local, the others gathered.
 
     The gathered dimensions (FSDP) are gathered again for the backward pass
     (`weight_reads.regathered`), not kept alive between the passes, unless the
-    strategy keeps them (`reshard_after_forward=False`).
+    strategy keeps them (`reshard_after_forward=False`). A `lookup` (`contract`
+    is `keras.ops.take(weight, x, axis=0)`) needs no weight for its gradient:
+    gathered for the forward pass only (`weight_reads.looked_up`).
     """
+    keep = (axis,) if axis else ()
     if not _keras_layouts().reshard_after_forward or keras_variables.keeps_whole(variable):
         # Gathered once and kept (ZeRO-1/2 keeps it between steps, too).
-        with weight_reads.local_axes(*((axis,) if axis else ())):
+        with weight_reads.local_axes(*keep):
             return contract(x, tf.convert_to_tensor(variable))
     with weight_reads.local_axes(*layout.sharded_mesh_axes):
         shard = tf.convert_to_tensor(variable)
-    return weight_reads.regathered(contract, x, shard, layout, keep=(axis,) if axis else (),
+    if lookup:
+        return weight_reads.looked_up(x, shard, layout, keep=keep)
+    return weight_reads.regathered(contract, x, shard, layout, keep=keep,
                                    prefetch=_keras_layouts().prefetch)
 
 
@@ -283,13 +288,8 @@ def embedding_call(layer, inputs):
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
     if axis is None:  # FSDP
-        if _keras_layouts().reshard_after_forward and not keras_variables.keeps_whole(
-                layer.embeddings):  # gathered for the forward pass only
-            with weight_reads.local_axes(*layout.sharded_mesh_axes):
-                shard = tf.convert_to_tensor(layer.embeddings)
-            return tf.cast(weight_reads.looked_up(ids, shard, layout), layer.compute_dtype)
         out = _contract(lambda ids, table: keras.ops.take(table, ids, axis=0), ids,
-                        layer.embeddings, layout)
+                        layer.embeddings, layout, lookup=True)
         return tf.cast(out, layer.compute_dtype)
     ids_all = collectives.all_gather(ids, axis, dim=0)  # [b*M, ...]
     if _dim_on(layer.embeddings, axis) == 0:  # vocabulary split: [V/M, d]
