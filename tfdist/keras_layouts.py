@@ -27,8 +27,6 @@ class KerasLayouts:
         mesh_shape: the tfdist `MeshShape` of the strategy's mesh.
         batch_axis: the mesh axis the batch is named after (`batch_dim_name`);
             weights split over it are always gathered when read (FSDP).
-        initialize_shards: draw random initial values shard by shard (see
-            `tfdist.distribution.ModelParallel`).
         reshard_after_forward: FSDP weights of the layers tfdist knows are
             gathered again for the backward pass (see `ModelParallel`).
         prefetch: those gathers run one layer ahead (see `ModelParallel`).
@@ -40,14 +38,13 @@ class KerasLayouts:
     """
 
     def __init__(self, layout_map, mesh_shape: MeshShape, batch_axis: str,
-                 initialize_shards: bool = False, reshard_after_forward: bool = True,
-                 zero_stage: int = 0, prefetch: bool = False):
+                 reshard_after_forward: bool = True, zero_stage: int = 0,
+                 prefetch: bool = False):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (off), 1 (optimizer states split over "
                              f"the batch axis, weights kept whole), 2 (gradients split too) "
                              f"or 3 (weights split too); received zero_stage={zero_stage!r}.")
         self.zero_stage = int(zero_stage)
-        self.initialize_shards = bool(initialize_shards)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
         self.layout_map = layout_map
@@ -61,13 +58,12 @@ class KerasLayouts:
 
     @classmethod
     def for_mesh(cls, device_mesh, layout_map, batch_dim_name: Optional[str] = None,
-                 initialize_shards: bool = False, reshard_after_forward: bool = True,
-                 zero_stage: int = 0, prefetch: bool = False) -> "KerasLayouts":
+                 reshard_after_forward: bool = True, zero_stage: int = 0,
+                 prefetch: bool = False) -> "KerasLayouts":
         """The layouts of `layout_map` (or None) on a Keras `DeviceMesh`; the batch
         axis defaults to the mesh's first."""
         mesh_shape = keras_mesh_shape(device_mesh)
         return cls(layout_map, mesh_shape, batch_dim_name or mesh_shape.names[0],
-                   initialize_shards=initialize_shards,
                    reshard_after_forward=reshard_after_forward, zero_stage=zero_stage,
                    prefetch=prefetch)
 

@@ -197,8 +197,7 @@ def main():
         shape = tuple(int(n) for n in sys.argv[2].split("x"))
         mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
         strategy = td.ModelParallel(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
-                                    batch_dim_name="batch", devices=devices,
-                                    initialize_shards=True)
+                                    batch_dim_name="batch", devices=devices)
     from tfdist import checkpoint
     from tfdist.testing.memory import device_bytes
 

@@ -35,8 +35,8 @@ from test_keras_hub import LENGTH, VOCAB, language_model  # noqa: E402
 from tfdist.testing.equivalence import assert_equivalent  # noqa: E402
 from tfdist.testing.memory import device_bytes  # noqa: E402
 
-# Whole values rank 0 broadcasts: sharded ones only for random initial values
-# (slots and constant-initialised weights are made by each rank, shard by shard).
+# Whole values rank 0 broadcasts (none for split variables: each rank makes its own
+# shards, random ones from rank 0's seed).
 broadcast, broadcast_shapes = strategy.extended.hvd.broadcast, []
 
 

@@ -191,7 +191,8 @@ def test_a_keras_hub_backbone_with_its_layout_map_over_ranks_matches_one_process
     assert sorted(int(r) for r, *_ in lines) == [0, 1], result.stdout[-2000:]
     for _, report, held, total, sharded, whole in lines:
         assert int(held) < 0.75 * int(total)  # embeddings and kernels split over the ranks
-        # Weights, Adam's two slots each: only the (random) weights come whole from rank 0.
-        assert 0 < int(whole) <= int(sharded) // 3, (sharded, whole)
+        # Each rank makes its own shards of every split variable (random ones from
+        # rank 0's seed, and they match one process above): nothing broadcast whole.
+        assert int(whole) == 0 and int(sharded) > 0, (sharded, whole)
         print(f"gemma {shape} over 2 ranks: {report}; {held} of {total} bytes per rank; "
               f"{whole} of {sharded} sharded variables broadcast whole")

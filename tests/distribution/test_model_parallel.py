@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist.distribution as td
+from tfdist.internal import keras_initial_slices
 from tfdist.testing.collective_log import recorded_all_gathers
 from tfdist.testing.equivalence import assert_equivalent
 from tfdist.testing.memory import device_bytes
@@ -216,7 +217,7 @@ def test_keras_distribution_objects_become_tfdist_strategies():
 
 
 class RecordingGlorot(keras.initializers.GlorotUniform):
-    """GlorotUniform that records the shapes it is asked for."""
+    """GlorotUniform that records the shapes it is asked for (a custom initializer)."""
 
     shapes = []
 
@@ -225,31 +226,36 @@ class RecordingGlorot(keras.initializers.GlorotUniform):
         return super().__call__(shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("initialize_shards", [False, True])
-def test_weights_and_slots_are_made_shard_by_shard_when_asked(initialize_shards):
+def test_weights_and_slots_are_made_shard_by_shard(monkeypatch):
+    """Keras's random initializers: each device draws its shard alone, and the shards
+    are one device's value for the same seed; a custom initializer draws it whole."""
     layout_map = td.LayoutMap(keras_mesh((1, 4)))
     layout_map["wide/kernel"] = (None, "model")
     layout_map["wide/bias"] = ("model",)
-    strategy = td.ModelParallel(layout_map=layout_map, initialize_shards=initialize_shards)
+    layout_map["custom/kernel"] = ("model", None)
+    strategy = td.ModelParallel(layout_map=layout_map)
+    draws = []  # (elements, device) of every raw random draw
+    for kind, op in keras_initial_slices._RAW_OPS.items():
+        def recording(shape, op=op, **kwargs):
+            value = op(shape=shape, **kwargs)
+            draws.append((int(np.prod(shape)), value.device))
+            return value
+        monkeypatch.setitem(keras_initial_slices._RAW_OPS, kind, recording)
     RecordingGlorot.shapes = []
     with strategy.scope():
-        layer = keras.layers.Dense(512, kernel_initializer=RecordingGlorot(seed=3),
+        layer = keras.layers.Dense(512, kernel_initializer=keras.initializers.GlorotUniform(3),
                                    bias_initializer="ones", name="wide")
         layer.build((None, 256))
+        custom = keras.layers.Dense(8, kernel_initializer=RecordingGlorot(seed=4), name="custom")
+        custom.build((None, 16))
         optimizer = keras.optimizers.Adam()
         optimizer.build(layer.trainable_variables)
-    if initialize_shards:  # four distinct shards, each drawn on its own
-        assert RecordingGlorot.shapes == [(256, 128)] * 4
-        kernel = layer.kernel.numpy()
-        parts = [kernel[:, 128 * i:128 * (i + 1)] for i in range(4)]
-        assert all(not np.allclose(parts[0], p) for p in parts[1:])
-        limit = np.sqrt(6 / (256 + 512))  # the whole weight's Glorot limit
-        assert abs(kernel.max() - limit) < 0.01 * limit and abs(kernel.min() + limit) < 0.01 * limit
-        assert abs(kernel.std() - limit / np.sqrt(3)) < 0.02 * limit
-    else:  # one global value: one device's weights for the same seed
-        assert RecordingGlorot.shapes == [(256, 512)]
-        np.testing.assert_array_equal(layer.kernel.numpy(),
-                                      RecordingGlorot(seed=3)((256, 512)).numpy())
+    assert draws and max(n for n, _ in draws) <= 256 * 128, draws  # at most one shard's
+    assert {device[-1] for _, device in draws} == {"0", "1", "2", "3"}
+    np.testing.assert_array_equal(layer.kernel.numpy(),
+                                  keras.initializers.GlorotUniform(3)((256, 512)).numpy())
+    assert RecordingGlorot.shapes == [(16, 8)]
+    np.testing.assert_array_equal(custom.kernel.numpy(), RecordingGlorot(seed=4)((16, 8)))
     np.testing.assert_array_equal(layer.bias.numpy(), np.ones(512))
     for slot in optimizer.variables[2:]:
         assert [tuple(c.shape) for c in slot.value.values] in ([(256, 128)] * 4, [(128,)] * 4)

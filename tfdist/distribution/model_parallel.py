@@ -61,6 +61,13 @@ class ModelParallel(MeshStrategy):
     exact. Checkpoints hold global tensors and load onto any mesh or into a
     plain Keras model.
 
+    Split weights are made shard by shard, each on its device: optimizer slots,
+    constant initializers, and Keras's random ones (`RandomNormal`,
+    `RandomUniform`, `TruncatedNormal`, Glorot, He, LeCun) whose shards are
+    drawn alone yet are exactly one device's values for the same seed. Only an
+    initializer that needs the whole value (`Orthogonal`, a custom one) draws
+    it whole, on the first device, before it is split.
+
     Args:
         device_mesh: a `keras.distribution.DeviceMesh` (default: the layout
             map's).
@@ -70,14 +77,6 @@ class ModelParallel(MeshStrategy):
         batch_dim_name: the mesh axis named after the batch (default: the
             mesh's first axis). Weights split over it are FSDP.
         devices: TF device names overriding the `DeviceMesh`'s.
-        initialize_shards: how weights a layout splits get their initial values.
-            Always: constant initializers (`zeros`, `ones`, ...) and optimizer
-            slots are made shard by shard on each device. False (default): a
-            random initializer draws the whole value once on one device, then it
-            is split, so a seed gives one device's weights exactly. True: each
-            shard is drawn on its own device from the same distribution
-            (Glorot/He/LeCun scaled by the whole weight's fans), so no device
-            ever holds a whole weight; the numbers then differ from one device's.
         reshard_after_forward: FSDP's memory/time trade (PyTorch FSDP's name).
             True (default): a gathered weight of `Dense`, `EinsumDense`,
             `Embedding` and `ReversibleEmbedding` lives only for its forward
@@ -139,7 +138,6 @@ class ModelParallel(MeshStrategy):
         layout_map=None,
         batch_dim_name: Optional[str] = None,
         devices: Union[None, str, Sequence[str]] = None,
-        initialize_shards: bool = False,
         reshard_after_forward: bool = True,
         zero_stage: int = 0,
         prefetch: bool = False,
@@ -151,7 +149,6 @@ class ModelParallel(MeshStrategy):
         if device_mesh is None:
             device_mesh = layout_map.device_mesh
         layouts = KerasLayouts.for_mesh(device_mesh, layout_map, batch_dim_name,  # checked first
-                                        initialize_shards=initialize_shards,
                                         reshard_after_forward=reshard_after_forward,
                                         zero_stage=zero_stage, prefetch=prefetch)
         if devices is None:

@@ -83,10 +83,13 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     # -- variables: rank 0's initial values, or each rank's own shard -----------
 
     _sharded_variable_class = HorovodShardedVariable
-    # Each rank makes its own shard where that is deterministic (slots, constant
-    # initializers; seeded random ones with initialize_shards); other sharded
-    # weights start from rank 0's global value, broadcast.
-    _shards_made_per_process = True
+    # Each rank makes its own shard (slots, Keras's constant and random
+    # initializers: from rank 0's seed); other sharded weights (orthogonal, custom
+    # initializers) start from rank 0's global value, broadcast.
+    def _shared_seed(self, seed):
+        if self.hvd.size() == 1:
+            return seed
+        return self.hvd.broadcast(seed, root_rank=0, name=f"tfdist_seed_{self._next()}")
 
     def _create_replicated_variable(self, next_creator, **kwargs):
         initial = kwargs.get("initial_value")

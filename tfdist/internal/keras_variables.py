@@ -12,6 +12,9 @@ from typing import Optional
 
 import keras
 import numpy as np
+import tensorflow as tf
+
+from tfdist.internal import keras_initial_slices
 
 
 def keras_variable_of(initial_value) -> Optional[keras.Variable]:
@@ -62,66 +65,41 @@ def initializer_of(initial_value):
 
 
 _CONSTANT = (keras.initializers.Zeros, keras.initializers.Ones, keras.initializers.Constant)
-_ELEMENTWISE_RANDOM = (keras.initializers.RandomNormal, keras.initializers.RandomUniform,
-                       keras.initializers.TruncatedNormal)
 
 
-def shard_maker(initializer, layout, dtype, random: bool, seeded_only: bool = False):
-    """`make(shard_index, local_shape)` drawing one shard's initial value alone, or None.
+def shard_maker(initializer, layout, dtype, share_seed=None):
+    """`make(device_index)`: that device's shard of the initial value, made alone, or None.
 
-    Constant initializers (`Zeros`, `Ones`, a scalar `Constant`) give exactly the slice of
-    the global value. With `random`, element-wise random ones (`RandomNormal`,
-    `RandomUniform`, `TruncatedNormal`) and `VarianceScaling` (Glorot, He,
-    LeCun: its scale from the *global* shape's fans) draw each shard from the
-    same distribution with a seed of its own (`seed + shard index`): the same
-    distribution as one device's, not the same numbers. With `seeded_only`
-    (processes that each make their own shard, and must agree where they hold
-    the same one), only initializers with an integer seed. Anything else: None.
-
-    Private Keras API used here: `keras.src.initializers.random_initializers.compute_fans`.
+    Constant initializers (`Zeros`, `Ones`, a scalar `Constant`) give each shard
+    as is. Keras's random ones (`RandomNormal`, `RandomUniform`, `TruncatedNormal`,
+    `VarianceScaling`: Glorot, He, LeCun) give exactly the shard of the value one
+    device draws (`keras_initial_slices`), without drawing the rest: the seed is
+    drawn once per variable, and `share_seed(seed)` (processes that each make
+    their own shards: rank 0's seed) makes every shard of it agree. Padding (a
+    padded layout's last shard) is zeros. Anything else (`Orthogonal`, a custom
+    initializer): None, the value is drawn whole.
     """
-    global_shape = layout.shape
-    constant = type(initializer) in _CONSTANT and np.ndim(getattr(initializer, "value", 0)) == 0
-    if layout.is_padded:  # padding must be zeros
-        return (lambda index, shape: initializer(shape, dtype=dtype)) \
-            if type(initializer) is keras.initializers.Zeros else None
-    if constant:  # a scalar everywhere (a Constant of an array is not one)
-        return lambda index, shape: initializer(shape, dtype=dtype)
-    if not random:
+    global_shape, padded_shape = layout.shape, layout.padded_shape
+    if type(initializer) in _CONSTANT and np.ndim(getattr(initializer, "value", 0)) == 0:
+        if layout.is_padded and type(initializer) is not keras.initializers.Zeros:
+            return None  # padding must be zeros
+        return lambda index: initializer(layout.local_shape, dtype=dtype)
+    draw = keras_initial_slices.slice_drawer(initializer, global_shape, dtype) \
+        if initializer is not None else None
+    if draw is None:
         return None
-    variance = isinstance(initializer, keras.initializers.VarianceScaling)
-    if not variance and type(initializer) not in _ELEMENTWISE_RANDOM:
-        return None
-    if seeded_only and not isinstance(getattr(initializer, "seed", None), int):
-        return None
+    seeds = []
 
-    def make(index, shape):
-        shard = _reseeded(initializer, index)
-        value = shard(shape, dtype=dtype)
-        if variance:  # stddev (or limit) is proportional to 1 / sqrt(the fan divisor)
-            ratio = _fan_divisor(initializer, shape) / _fan_divisor(initializer, global_shape)
-            value = value * ratio ** 0.5
+    def make(index):
+        if not seeds:  # one seed per variable, as one call of the initializer draws
+            seed = keras_initial_slices.draw_seed(initializer)
+            seeds.append(seed if share_seed is None else share_seed(seed))
+        box = layout.shard_slices(index)
+        real = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(box, global_shape))
+        value = draw(seeds[0], real)
+        if padded_shape != global_shape:
+            value = tf.pad(value, [(0, (s.stop - s.start) - (r.stop - r.start))
+                                   for s, r in zip(box, real)])
         return value
 
     return make
-
-
-def _reseeded(initializer, index):
-    seed = getattr(initializer, "seed", None)
-    if not isinstance(seed, int):
-        return initializer  # a SeedGenerator draws new numbers on every call
-    config = initializer.get_config()
-    config["seed"] = (seed + 1_000_003 * (index + 1)) % (2 ** 31 - 1)
-    return type(initializer).from_config(config)
-
-
-def _fan_divisor(initializer, shape):
-    from keras.src.initializers.random_initializers import compute_fans
-
-    fan_in, fan_out = compute_fans(tuple(shape), input_axes=initializer.input_axes,
-                                   output_axes=initializer.output_axes)
-    if initializer.mode == "fan_in":
-        return max(1.0, fan_in)
-    if initializer.mode == "fan_out":
-        return max(1.0, fan_out)
-    return max(1.0, (fan_in + fan_out) / 2.0)

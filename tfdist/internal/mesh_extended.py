@@ -485,13 +485,11 @@ class ShardRouting:
         kwargs.pop("colocate_with", None)
         make_shard = None
         if self._shard_by_shard:
-            # Slots (zeros) and Keras weights laid out by path: each shard made on
-            # its own device, never the whole value (random ones only when asked).
+            # Slots (zeros) and Keras weights from Keras's constant and random
+            # initializers: each shard made on its own device, never the whole value.
             make_shard = keras_variables.shard_maker(
                 keras_variables.initializer_of(kwargs.get("initial_value")), layout,
-                kwargs.get("dtype"), random=getattr(self.keras_layouts, "initialize_shards",
-                                                    False),
-                seeded_only=self._shards_made_per_process)
+                kwargs.get("dtype"), share_seed=self._shared_seed)
         variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
                                                  **kwargs)
         variable._tfdist_gather_on_read = gather_on_read
@@ -540,8 +538,9 @@ class ShardRouting:
     _shard_by_shard = True
     """Whether shards may be initialised one by one."""
 
-    _shards_made_per_process = False
-    """Whether each process makes its own shards (random ones then need a seed to agree)."""
+    def _shared_seed(self, seed):
+        """The seed every process draws a variable's random shards from (one process: its own)."""
+        return seed
 
     def _create_sharded_variable(self, next_creator, layout, make_shard=None, **kwargs):
         sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
@@ -599,12 +598,12 @@ class ShardRouting:
         made = {}
 
         def shard_for(i):  # called on device i
-            number = shard_of[self.mesh_device_index(i)]
-            if number not in made:
+            index = self.mesh_device_index(i)
+            if shard_of[index] not in made:
                 with tf.init_scope(), tf.device(self._devices[i]):
-                    made[number] = tf.convert_to_tensor(make_shard(number, layout.local_shape),
-                                                        dtype=kwargs.get("dtype"))
-            return made[number]
+                    made[shard_of[index]] = tf.convert_to_tensor(make_shard(index),
+                                                                 dtype=kwargs.get("dtype"))
+            return made[shard_of[index]]
 
         return self._sharded_from(next_creator, layout, aggregation, kwargs, shard_for)
 

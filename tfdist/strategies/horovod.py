@@ -54,15 +54,13 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             sizes; its devices are the ranks): any Keras model's variables are
             split by path, as `tfdist.distribution.ModelParallel` does (a
             tfdist model's `get_layout_map` brings its layout rules too).
+            Each rank makes its own shards of split weights as `ModelParallel`
+            does (random ones from rank 0's seed); a weight whose initializer
+            needs the whole value starts from rank 0's, broadcast.
         batch_dim_name: with `layout_map`, the mesh axis named after the batch
             (default: the first).
         reshard_after_forward: with `layout_map`, as `ModelParallel`'s.
         prefetch: with `layout_map`, as `ModelParallel`'s.
-        initialize_shards: with `layout_map`, as `ModelParallel`'s, for random
-            initializers with an integer seed (ranks holding the same shard
-            must draw the same numbers); others start from rank 0's whole value.
-            Optimizer slots and constant initializers are always made shard by
-            shard, each rank its own.
         zero_stage: ZeRO over the batch axis of the ranks, as
             `tfdist.distribution.ModelParallel`'s; with `layout_map`, or alone
             (then the ranks are one axis `data` and every Keras weight is
@@ -87,7 +85,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
     def __init__(self, compression: str = "none", device: Optional[str] = None,
                  reduction: str = "sum", mesh_shape=None, layout=None, layout_map=None,
                  batch_dim_name: Optional[str] = None, reshard_after_forward: bool = True,
-                 initialize_shards: bool = False, zero_stage: int = 0,
+                 zero_stage: int = 0,
                  prefetch: bool = False):
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
@@ -112,7 +110,6 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                                  f"layout={layout!r}.")
             keras_layouts = KerasLayouts.for_mesh(layout_map.device_mesh, layout_map,
                                                   batch_dim_name,
-                                                  initialize_shards=initialize_shards,
                                                   reshard_after_forward=reshard_after_forward,
                                                   zero_stage=zero_stage, prefetch=prefetch)
             mesh_shape = keras_layouts.mesh_shape
