@@ -109,3 +109,23 @@ def test_initializers_not_mirrored_get_none():
         assert keras_initial_slices.slice_drawer(initializer, (4, 4), "float32") is None
     assert keras_initial_slices.slice_drawer(keras.initializers.HeUniform(seed=1), (4, 4),
                                              "int32") is None
+
+
+def test_shards_of_a_padded_layout_are_the_split_value_with_zero_padding():
+    """`keras_variables.shard_maker`: one seed per variable, each device's box, and the
+    padding of a layout whose split dimension does not divide (tfdist's class axis)."""
+    from tfdist.internal.keras_variables import shard_maker
+    from tfdist.internal.mesh_extended import split_global
+    from tfdist.mesh import Mesh
+
+    layout = Mesh.parse("data:2;model:4", "d_model:data;classes:model").tensor_layout(
+        ("d_model", "classes"), (6, 10), pad=True)
+    assert layout.padded_shape == (6, 12)
+    initializer = keras.initializers.HeUniform(seed=keras.random.SeedGenerator(2))
+    make = shard_maker(initializer, layout, "float32")
+    shards = [make(i) for i in range(8)]  # the generator advances once, for all of them
+    expected = split_global(layout, keras.initializers.HeUniform(
+        seed=keras.random.SeedGenerator(2))((6, 10)))
+    for shard, value in zip(shards, expected):
+        np.testing.assert_array_equal(shard, value)
+    assert not np.any(shards[3].numpy()[:, 1:])  # columns 10 and 11: padding

@@ -4,7 +4,7 @@ Private Keras detail used here (and only here): the TF backend's
 `Variable._initialize_with_initializer` hands `tf.Variable` the initial value
 `lambda: initializer(self._shape, dtype=self._dtype)`, whose closure holds the
 Keras variable, so a variable creator (a strategy's) learns the variable's
-`path` and global `shape` before any value exists. `tests/internal/test_keras_variables.py`
+`path` and global `shape` before any value exists. `tests/internal/test_keras_tensor_parallel.py`
 fails when Keras changes this.
 """
 
