@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tfdist.distribution as td
-from tfdist.testing.equivalence import assert_equivalent
+from tfdist.testing.equivalence import assert_equivalent, run_reference
 from tfdist.testing.memory import device_bytes
 
 VOCAB, LENGTH = 64, 8
@@ -39,31 +39,30 @@ def language_model(name):
     return keras.Model(inputs, logits)
 
 
-# Gemma tensor parallel (1x2) and with FSDP (2x2); Llama on 2x2 (tensor parallel and
-# FSDP together), QwenMoe on 1x2 (its MoE and balancing loss over two replicas). 2x1
-# (FSDP alone) is test_model_parallel's; all nine passed by hand (the suite's time
-# budget).
-@pytest.mark.parametrize("name, shape", [("gemma", (1, 2)), ("gemma", (2, 2)),
-                                         ("llama", (2, 2)), ("qwen_moe", (1, 2))])
-def test_a_keras_hub_backbone_with_its_layout_map_matches_one_device(name, shape):
-    n = int(np.prod(shape))
-    mesh = td.DeviceMesh(shape, ("batch", "model"), [f"cpu:{i}" for i in range(n)])
-    strategy = td.ModelParallel(layout_map=BACKBONES[name][0].get_layout_map(mesh),
-                                batch_dim_name="batch")
+# Each backbone on 1x2 (tensor parallel), 2x1 (FSDP) and 2x2 (both), against one
+# reference run.
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+def test_a_keras_hub_backbone_with_its_layout_map_matches_one_device(name):
     rng = np.random.default_rng(0)
     mask = np.ones((160, LENGTH), "int32")
     mask[::3, -2:] = 0  # some padding
     x = {"token_ids": rng.integers(0, VOCAB, (160, LENGTH)).astype("int32"),
          "padding_mask": mask}
     y = rng.integers(0, VOCAB, (160, LENGTH)).astype("int32")
-    report = assert_equivalent(
-        lambda: language_model(name), strategy, x, y, reference=lambda: language_model(name),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        optimizer=lambda: keras.optimizers.Adam(1e-3), batch_size=16, steps=10,
-        rtol=RTOL[name])
-    variables = report.model.weights + report.model.optimizer.variables
-    one_device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-    per_device = [device_bytes(report.model, i) for i in range(n)]
-    print(f"{name} {shape}: {report}; weights+slots per device {per_device} bytes, "
-          f"one device {one_device} ({max(per_device) / one_device:.2f})")
-    assert max(per_device) < one_device  # the big weights are split
+    training = dict(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    optimizer=lambda: keras.optimizers.Adam(1e-3), batch_size=16, steps=10,
+                    reference=lambda: language_model(name))
+    reference = run_reference(lambda: language_model(name), x, y, **training)
+    for shape in [(1, 2), (2, 1), (2, 2)]:
+        n = int(np.prod(shape))
+        mesh = td.DeviceMesh(shape, ("batch", "model"), [f"cpu:{i}" for i in range(n)])
+        strategy = td.ModelParallel(layout_map=BACKBONES[name][0].get_layout_map(mesh),
+                                    batch_dim_name="batch")
+        report = assert_equivalent(lambda: language_model(name), strategy, x, y,
+                                   reference_run=reference, rtol=RTOL[name], **training)
+        variables = report.model.weights + report.model.optimizer.variables
+        one_device = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+        per_device = [device_bytes(report.model, i) for i in range(n)]
+        print(f"{name} {shape}: {report}; weights+slots per device {per_device} bytes, "
+              f"one device {one_device} ({max(per_device) / one_device:.2f})")
+        assert max(per_device) < one_device  # the big weights are split

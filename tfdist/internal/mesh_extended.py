@@ -483,13 +483,11 @@ class ShardRouting:
         if layout is None or not layout.is_sharded:
             return self._create_replicated_variable(next_creator, **kwargs)
         kwargs.pop("colocate_with", None)
-        make_shard = None
-        if self._shard_by_shard:
-            # Slots (zeros) and Keras weights from Keras's constant and random
-            # initializers: each shard made on its own device, never the whole value.
-            make_shard = keras_variables.shard_maker(
-                keras_variables.initializer_of(kwargs.get("initial_value")), layout,
-                kwargs.get("dtype"), share_seed=self._shared_seed)
+        # Slots (zeros) and Keras weights from Keras's constant and random
+        # initializers: each shard made on its own device, never the whole value.
+        make_shard = keras_variables.shard_maker(
+            keras_variables.initializer_of(kwargs.get("initial_value")), layout,
+            kwargs.get("dtype"), share_seed=self._shared_seed)
         variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
                                                  **kwargs)
         variable._tfdist_gather_on_read = gather_on_read
@@ -534,9 +532,6 @@ class ShardRouting:
                 f"weights."
             )
         return primary.layout
-
-    _shard_by_shard = True
-    """Whether shards may be initialised one by one."""
 
     def _shared_seed(self, seed):
         """The seed every process draws a variable's random shards from (one process: its own)."""
