@@ -15,9 +15,21 @@ JOB = os.path.join(ROOT, "tests", "cluster", "hvd_job.py")
 pytestmark = [pytest.mark.slow, pytest.mark.horovod]
 
 
+def rank_env(**extra):
+    """The ranks' environment: quiet, Gloo's timeout 30 s, and one TF thread per pool.
+
+    One thread: 2-4 ranks share this machine's 2 cores with the other pytest
+    worker, whose in-process strategies hand off between replica threads; TF's
+    default pools (spinning while they wait) slowed such a test beside one
+    Horovod job from 50 s to 178 s.
+    """
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30",
+                TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **extra)
+
+
 def horovodrun(*args, timeout=240, pinned=False):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    env = rank_env()
     # Pinned: each rank on its own core, as `horovodrun ... taskset -c RANK python ...`.
     pin = ["sh", "-c", 'exec taskset -c "$HOROVOD_RANK" "$0" "$@"'] if pinned else []
     return subprocess.run([runner, "-np", "2", "--gloo", "-H", "localhost:2", *pin,
@@ -70,8 +82,8 @@ def test_a_rank_killed_by_pid_ends_the_job_within_60_s_naming_it(tmp_path):
     import time
 
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")  # the strategy sets the Gloo timeouts
-    env.pop("HOROVOD_GLOO_TIMEOUT_SECONDS", None)
+    env = rank_env()
+    env.pop("HOROVOD_GLOO_TIMEOUT_SECONDS")  # the strategy sets the Gloo timeouts
     job = subprocess.Popen([runner, "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
                             JOB, "--epochs", "1000", "--pid_dir", str(tmp_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -112,8 +124,7 @@ MESH_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_mesh_job.py")
 def mesh_run(np_, mesh, models, timeout=400):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
     shared = tempfile.mkdtemp(prefix="tfdist_hvd_")  # the ranks' shared checkpoint directory
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30",
-               TFDIST_TEST_BACKUP_DIR=shared)
+    env = rank_env(TFDIST_TEST_BACKUP_DIR=shared)
     try:
         result = subprocess.run([runner, "-np", str(np_), "--gloo", "-H", f"localhost:{np_}",
                                  sys.executable, MESH_JOB, mesh, models], capture_output=True,
@@ -157,7 +168,7 @@ def test_sharded_layers_on_a_mesh_over_ranks_match_one_device(np_, mesh, models,
 
 def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    env = rank_env()
     result = subprocess.run(
         [runner, "-np", "2", "--gloo", "-H", "localhost:2", sys.executable, "scripts/train_xc.py",
          "--strategy=horovod", "--mesh_shape=data:1;model:2", "--num_classes=2000",
@@ -181,7 +192,7 @@ KERAS_HUB_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_keras_hub_job.py")
 @pytest.mark.parametrize("shape", ["1x2"])
 def test_a_keras_hub_backbone_with_its_layout_map_over_ranks_matches_one_process(shape):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="30")
+    env = rank_env()
     result = subprocess.run([runner, "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
                              KERAS_HUB_JOB, shape], capture_output=True, text=True, timeout=400,
                             cwd=ROOT, env=env)
