@@ -91,7 +91,7 @@ def test_the_keras_variable_and_layout_map_hooks():
                                                         ("probe/bias", (3,))]
     assert initializers == [keras.initializers.GlorotUniform, keras.initializers.Zeros]
     assert keras_variables.keras_variable_of(lambda: 0.0) is None
-    from keras.src.initializers.random_initializers import compute_fans  # the shard scale
+    from keras.src.initializers.random_initializers import compute_fans  # keras_initial_slices
 
     assert compute_fans((4, 3)) == (4, 3) and compute_fans((2, 4, 3)) == (8, 6)
     mesh = td.DeviceMesh((2,), ("batch",), ["cpu:0", "cpu:1"])

@@ -14,6 +14,8 @@ counter where each run starts, then the initializer's own scale and shift.
 `RandomNormal`, `RandomUniform`, `TruncatedNormal` and `VarianceScaling`
 (Glorot, He, LeCun: the scale from the *global* shape's fans). Anything else
 (`Orthogonal`, whose QR needs the whole matrix; a custom initializer) gets None.
+Where TF picks another generator than Philox (XLA on TPU), a box is cut from
+the whole value drawn on its device.
 
 Private APIs used here (and only here): `keras.src.random.seed_generator.draw_seed`,
 `keras.src.backend.tensorflow.random._cast_seed`,
