@@ -196,13 +196,12 @@ def _raw_box(kind, dtype, seed, shape, begin, size) -> tf.Tensor:
     while i < len(rows):
         j = int(np.searchsorted(rows, rows[i] + per_run))
         span = int(rows[j - 1] - rows[i]) + 1
-        flat = _raw_run(kind, dtype, key, counter, alg, int(rows[i]) * stride + first,
-                        (span - 1) * stride + length)
-        if span > 1:  # rows `stride` apart, each `length` long
-            flat = tf.concat([flat, tf.zeros([stride - length], dtype)], 0)
-            run = tf.reshape(flat, [span, stride])[:, :length]
+        start = int(rows[i]) * stride + first
+        if span > 1:  # rows `stride` apart, each `length` long (the last row's tail drawn too)
+            run = tf.reshape(_raw_run(kind, dtype, key, counter, alg, start, span * stride),
+                             [span, stride])[:, :length]
         else:
-            run = flat[None]
+            run = _raw_run(kind, dtype, key, counter, alg, start, length)[None]
         if j - i != span:  # rows of the run outside the box
             run = tf.gather(run, rows[i:j] - rows[i])
         pieces.append(run)
