@@ -1,5 +1,5 @@
-"""tfdist.internal.keras_hub_attention: Gemma's and Llama's attention on local heads, exact and
-checked (their 1x2 and 2x2 equivalence with the default options: tests/distribution/test_keras_hub.py)."""
+"""tfdist.internal.keras_hub_attention: Gemma's, Llama's and Keras's attention on local heads,
+exact and checked (their 1x2 and 2x2 equivalence with the default options: tests/distribution/test_keras_hub.py)."""
 
 import contextlib
 
@@ -20,7 +20,8 @@ def test_each_entry_mirrors_the_installed_keras_hub():
     # A keras-hub whose attention source differs is not paired (exact, exchanging heads):
     # read the fingerprinted methods, update the substitute, then the fingerprints.
     classes = keras_hub_attention.attention_classes()
-    assert sorted(cls.__name__ for cls in classes) == ["CachedGemmaAttention", "LlamaAttention"]
+    assert sorted(cls.__name__ for cls in classes) == ["CachedGemmaAttention", "LlamaAttention",
+                                                       "MultiHeadAttention"]
     td.ModelParallel(layout_map=_layout_map((1, 2)), batch_dim_name="batch")  # installs
     for cls in classes:
         assert getattr(cls.__dict__["call"], "_tfdist_original", None) is not None
@@ -140,3 +141,42 @@ def test_gemma2_attention_on_local_heads_matches_one_device(shape):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=lambda: keras.optimizers.Adam(1e-3), batch_size=16, steps=10, rtol=1e-5)
     print(f"Gemma 2 attention {shape}: {report}")
+
+
+def _keras_attention_model():
+    """Keras's MultiHeadAttention, self-attention (padding and causal masks) then
+    cross-attention over another sequence (its padding mask): plain Keras."""
+    ids = keras.Input((LENGTH,), dtype="int32", name="ids")
+    other = keras.Input((LENGTH - 2,), dtype="int32", name="other")
+    x = keras.layers.Embedding(VOCAB, HIDDEN, mask_zero=True, name="token")(ids)
+    memory = keras.layers.Embedding(VOCAB, HIDDEN, mask_zero=True, name="memory")(other)
+    x = x + keras.layers.MultiHeadAttention(4, 4, use_bias=False, name="self_mha")(
+        x, x, use_causal_mask=True)
+    x = x + keras.layers.MultiHeadAttention(4, 4, value_dim=6, use_bias=False,
+                                            name="cross_mha")(x, memory)
+    # No bias: Adam turns float noise in a near-zero bias gradient into 1e-4 (paired or not).
+    return keras.Model({"ids": ids, "other": other},
+                       keras.layers.Dense(VOCAB, use_bias=False, name="head")(x))
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
+def test_keras_multi_head_attention_on_local_heads_matches_one_device(shape):
+    """Heads split (as Megatron splits them): the masks, built from each device's rows,
+    reach the heads of every row of the group; no head is exchanged."""
+    layout_map = td.LayoutMap(_mesh(shape))
+    layout_map[".*_mha/(query|key|value)/kernel"] = ("batch", "model", None)
+    layout_map[".*_mha/attention_output/kernel"] = ("model", None, "batch")
+    strategy = td.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, VOCAB, (80, LENGTH)).astype("int32")
+    other = rng.integers(1, VOCAB, (80, LENGTH - 2)).astype("int32")
+    ids[::3, -3:] = 0  # padding, differing between rows
+    other[::2, -2:] = 0
+    y = rng.integers(0, VOCAB, (80, LENGTH)).astype("int32")
+    with recorded(strategy, "all_to_all") as shapes:
+        report = assert_equivalent(
+            _keras_attention_model, strategy, {"ids": ids, "other": other}, y, reference=_keras_attention_model,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=lambda: keras.optimizers.Adam(1e-2), batch_size=8, steps=10)
+    assert shapes and not [s for s in shapes if len(s) == 5], shapes  # no head moves
+    print(f"Keras MultiHeadAttention, heads split, {shape}: {report}")

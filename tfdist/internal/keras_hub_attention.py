@@ -1,11 +1,13 @@
-"""keras-hub's Gemma and Llama attention on local heads: nothing exchanged between query, key,
-value and output.
+"""keras-hub's Gemma and Llama attention, and Keras's `MultiHeadAttention`, on local heads:
+nothing exchanged between query, key, value and output.
 
 Private keras-hub detail used here (and only here): `CachedGemmaAttention`'s
 `call` and `_compute_attention`, which this module computes again on the heads
 a device holds (keras-hub reshapes with the global head counts, so its own code
 cannot run on a device's heads; this mirror of it can), and `LlamaAttention`'s
-`call`, mirrored, whose `_compute_attention` runs on local heads as written.
+`call`, mirrored, whose `_compute_attention` runs on local heads as written; and
+the same for Keras's `MultiHeadAttention` (private Keras API: its `call`,
+mirrored, `_compute_attention` and `_compute_attention_mask`).
 `SOURCES` fingerprints the keras-hub source it mirrors or relies on: where the
 installed keras-hub differs, the substitute is not installed (each layer then
 exchanges its rows, as alone, exact), and
@@ -58,6 +60,17 @@ SOURCES = {
             "_masked_softmax":
                 "6dc0c0c2dc9cadc378bd43f6e4cc3175a52155ae299706a6805a1152198b56b4",
         }, "llama_attention"),
+    # Keras's own: `call` mirrored; `_compute_attention` (einsums or
+    # `dot_product_attention` over whatever heads it is given) and
+    # `_compute_attention_mask` (from the local rows, then gathered) run as written.
+    ("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention"): (
+        ("_query_dense", "_key_dense", "_value_dense"), "_output_dense", {
+            "call": "fd666cb2fe09b1019439725658a24e8fe17a15cc1bdc6ac61fc6ffb4a34daad1",
+            "_compute_attention":
+                "88168a1a82dd0d31365342088698b31988c40e6fdb2cd06001d4d2ec8f372966",
+            "_compute_attention_mask":
+                "1efa5564bc3863460fbf51af6d7c2e2f51816b040d29dad60bf6c443063df756",
+        }, "keras_attention"),
 }
 
 
@@ -169,6 +182,53 @@ def llama_attention(layer, pair, axis, hidden_states, attention_mask=None, cache
     value = ops.repeat(value, repeats=layer.num_key_value_groups, axis=2)
     vectors = layer._compute_attention(query, key, value, _gathered_mask(attention_mask, axis))
     return layer._output_dense(pair.hand_over(vectors))
+
+
+def keras_attention(layer, pair, axis, query, value, key=None, query_mask=None,
+                    value_mask=None, key_mask=None, attention_mask=None,
+                    return_attention_scores=False, training=None, use_causal_mask=False):
+    """Keras's `MultiHeadAttention.call` on this device's heads of every row of the group.
+
+    Its mask (`[b, T, S]`, from the local rows' Keras masks, the given mask
+    and causality) is gathered over the axis; its `_compute_attention` runs on
+    the local heads as Keras wrote it. NotImplemented (Keras's call, unpaired)
+    for attention scores returned, a gate (`use_gate`), dropout in training, or
+    a subclass with its own `_compute_attention`.
+    """
+    from keras.src import backend
+    from keras.src.layers.attention.multi_head_attention import MultiHeadAttention
+
+    if (return_attention_scores or getattr(layer, "_use_gate", False)
+            or (layer._dropout and training)
+            or type(layer)._compute_attention is not MultiHeadAttention._compute_attention):
+        return NotImplemented
+    if key is None:
+        key = value
+    query_mask = backend.get_keras_mask(query)
+    backend.set_keras_mask(query, None)
+    backend.set_keras_mask(value, None)
+    backend.set_keras_mask(key, None)
+    causal_only = (use_causal_mask and query_mask is None and value_mask is None
+                   and key_mask is None and attention_mask is None
+                   and layer._sliding_window is None)
+    if causal_only:  # the causal mask is built from the shapes, for any rows
+        attention_mask = None
+    else:
+        attention_mask = layer._compute_attention_mask(
+            query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+        if attention_mask is not None:
+            attention_mask = _gathered_mask(attention_mask, axis)  # [b*M, T, S]
+    query = pair.take(layer._query_dense(query))  # [b*M, T, N/M, h]
+    key = pair.take(layer._key_dense(key))
+    value = pair.take(layer._value_dense(value))
+    vectors, _ = layer._compute_attention(
+        query, key, value, attention_mask, training, False,
+        **({"use_causal_mask": True} if causal_only else {}))
+    output = layer._output_dense(pair.hand_over(vectors))
+    if query_mask is not None:
+        backend.set_keras_mask(output, query_mask)
+    return output
 
 
 def _gathered_mask(mask, axis):
