@@ -1,4 +1,4 @@
-"""MoE vs dense FFNs of the same FLOPs, as step-time ratios measured in one run.
+"""MoE vs dense FFNs of the same FLOPs, as step-time ratios of paired steps.
 
 MoE: E=8 experts, d_model 256, expert d_ff H=1024, group size 128, trained
 with Adam as a residual block on [batch, length, d_model] inputs, on one
@@ -13,27 +13,27 @@ device, 1x2 and 1x4 (`experts:model`; the dense FFNs Megatron-split with
   Also top-4 (cf 1.25, against d_ff = 5120) and expert choice (cf 2.5,
   against d_ff = 2560).
 
+How it is timed: this shared 2-core virtual machine loses a core for seconds
+at a time (one process's epochs of identical work vary 170-530 ms), so a
+case and its dense FFN are built in one process and their training steps
+alternate, one MoE step then one dense step (`train_on_batch`, which returns
+after the step): each pair sees the same machine. The ratio is the median
+over the pairs of MoE step / dense step, with its quartiles. Each case runs
+in its own process (several meshes' models in one process crashed TF here).
+
 "routing" is the fraction of the MoE's step not explained by its FLOPs:
 1 - dense / moe, against the dense FFN of the same FLOPs. On a 2-core CPU the
 virtual devices share two cores: ratios compare the layers, not scaling.
 
 A last table splits one device's top-2 (cf 1.25) layer, forward and backward
-with no optimizer, into its parts, timed interleaved in one process (so a
-slow spell falls on all alike): the whole MoE layer (index and one-hot
-dispatch), its experts' two matmuls alone on buffers of the same shape, and
-the dense FFN of the same FLOPs. routing = 1 - experts alone / layer; the
-experts' matmuls against the dense ones show what batching them costs.
+with no optimizer, into its parts, timed interleaved in one process: the whole
+MoE layer (index and one-hot dispatch), its experts' two matmuls alone on
+buffers of the same shape, the same matmuls on the buffers flattened into one
+matrix (the floor of a dense FFN's kernels; wrong math for distinct experts),
+and the dense FFN of the same FLOPs. routing = 1 - experts alone / layer; the
+batched matmuls against the flat ones show what TF's batched kernel costs.
 
-Each case runs in its own process; the cases of a mesh are interleaved over
-`--rounds` rounds (case order rotated each round), so a slow spell of the
-machine falls on every case alike. A process's time is its fastest of
-`--repeats` epochs (as `timeit` takes the minimum: on this shared 2-core
-virtual machine whole epochs run up to 2x slower when a core is taken from
-us, and noise only ever adds time). A ratio is the median over rounds of the
-ratio within a round (MoE and its dense FFN timed minutes apart at most), with
-its min and max over rounds.
-
-    python bench/moe.py [--steps 30] [--repeats 5] [--rounds 3]
+    python bench/moe.py [--pairs 30] [--batch 64] [--meshes ...]
 """
 
 import argparse
@@ -95,12 +95,28 @@ def prepare(mesh, layout, x, y, **build_args):
     return model
 
 
-def time_fit(model, x, y, steps):
-    """Seconds per step of one epoch, and the fraction of tokens dropped in it."""
-    start = time.perf_counter()
-    history = model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
-    seconds = (time.perf_counter() - start) / steps
-    return seconds, history.history.get("moe_dropped", [0.0])[-1]
+def paired_steps(mesh, case, pairs):
+    """Seconds of `pairs` alternating training steps of a case and its dense FFN.
+
+    Returns `(moe seconds, dense seconds, the MoE's mean dropped fraction)`.
+    """
+    moe_args, d_ff = CASES[case]
+    rng = np.random.default_rng(0)
+    batches = 4  # distinct batches, cycled (dropless buffer sizes vary with the routing)
+    x = rng.normal(size=(batches * BATCH, LENGTH, D_MODEL)).astype("float32")
+    y = rng.normal(size=(batches * BATCH, LENGTH, D_MODEL)).astype("float32")
+    models = (prepare(mesh, "experts:model", x, y, moe_args=moe_args),
+              prepare(mesh, "d_ff:model", x, y, d_ff=d_ff))
+    seconds, dropped = ([], []), []
+    for step in range(pairs):
+        rows = slice(step % batches * BATCH, (step % batches + 1) * BATCH)
+        for model, times in zip(models, seconds):
+            start = time.perf_counter()
+            logs = model.train_on_batch(x[rows], y[rows], return_dict=True)
+            times.append(time.perf_counter() - start)
+            if model is models[0]:
+                dropped.append(float(logs.get("moe_dropped", 0.0)))
+    return seconds[0], seconds[1], float(np.mean(dropped))
 
 
 def breakdown(repeats=40):
@@ -132,6 +148,10 @@ def breakdown(repeats=40):
     wo = tf.Variable(tf.random.normal([EXPERTS, D_FF, D_MODEL]) * 0.05)
     parts["experts alone"] = step(lambda: tf.matmul(tf.nn.relu(tf.matmul(buffers, wi)), wo),
                                   [wi, wo])
+    flat = tf.reshape(buffers, [-1, D_MODEL])
+    wi_0, wo_0 = tf.Variable(wi[0]), tf.Variable(wo[0])
+    parts["experts flattened"] = step(  # one expert's weights for all rows: wrong math, same FLOPs
+        lambda: tf.matmul(tf.nn.relu(tf.matmul(flat, wi_0)), wo_0), [wi_0, wo_0])
     d_ff = CASES["top-2 cf 1.25"][1]
     tokens = tf.reshape(x, [-1, D_MODEL])
     dense_wi = tf.Variable(tf.random.normal([D_MODEL, d_ff]) * 0.05)
@@ -150,76 +170,59 @@ def breakdown(repeats=40):
 
 
 def main():
+    global BATCH
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="Interleaved rounds: one process per case per round.")
+    parser.add_argument("--pairs", type=int, default=30,
+                        help="Alternating MoE / dense training steps per case.")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help=f"Sequences of {LENGTH} tokens a step.")
     parser.add_argument("--meshes", default=",".join(MESHES), help="Comma-separated meshes.")
+    parser.add_argument("--cases", default=",".join(CASES), help="Comma-separated cases.")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one case, one process
     args = parser.parse_args()
+    BATCH = args.batch
     logging.set_verbosity(logging.WARNING)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
-    y = rng.normal(size=(args.steps * BATCH, LENGTH, D_MODEL)).astype("float32")
-    tokens = BATCH * LENGTH
     if args.only == "breakdown":
         print(f"RESULT {json.dumps(breakdown())}")
         return
+    if args.only is not None:
+        moe, dense, dropped = paired_steps(args.meshes, args.only, args.pairs)
+        print(f"RESULT {json.dumps(dict(moe=moe, dense=dense, dropped=dropped))}")
+        return
     print(f"MoE bench: E={EXPERTS}, d_model {D_MODEL}, expert d_ff {D_FF}, group {GROUP}; "
-          f"{tokens} tokens/step; a process's time: fastest of {args.repeats} epochs of "
-          f"{args.steps} steps; {args.rounds} interleaved rounds; "
-          f"ratio = MoE / dense FFN of equal FLOPs, median [min, max] over rounds")
+          f"{BATCH * LENGTH} tokens/step; {args.pairs} alternating steps of each case and "
+          f"its dense FFN in one process; ratio = MoE step / dense step, median [quartiles] "
+          f"over the pairs")
     print(f"{'mesh':<16}{'case':<19}{'moe ms':>8}{'dense ms':>9}{'d_ff':>6}{'ratio':>7}"
-          f"{'[min,':>7}{'max]':>6}{'target':>7}{'routing':>8}{'dropped':>8}")
+          f"{'[q1,':>7}{'q3]':>6}{'target':>7}{'routing':>8}{'dropped':>8}", flush=True)
     for mesh in args.meshes.split(","):
-        # One process per model (several models built and fitted in one process
-        # crashed TF here: a segfault in a compute thread).
-        seconds, dropped = {}, {}
-        keys = sorted({d_ff for _, d_ff in CASES.values()}) + list(CASES)
-        if args.only is not None:
-            key = args.only if args.only in CASES else int(args.only)
-            if key in CASES:
-                model = prepare(mesh, "experts:model", x, y, moe_args=CASES[key][0])
-            else:
-                model = prepare(mesh, "d_ff:model", x, y, d_ff=key)
-            runs = [time_fit(model, x, y, args.steps) for _ in range(args.repeats)]
-            print(f"RESULT {min(s for s, _ in runs)!r} {runs[-1][1]!r}")
-            return
-        for round_ in range(args.rounds):
-            shift = round_ % len(keys)
-            for key in keys[shift:] + keys[:shift]:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--meshes", mesh, "--only", str(key),
-                     "--steps", str(args.steps), "--repeats", str(args.repeats)],
-                    capture_output=True, text=True, check=True).stdout
-                step, fraction = out.split("RESULT ")[-1].split()
-                seconds.setdefault(key, []).append(float(step))
-                dropped[key] = float(fraction)
-        for name, (_, d_ff) in CASES.items():
-            ratios = np.array(seconds[name]) / np.array(seconds[d_ff])  # within each round
-            ratio = float(np.median(ratios))
-            moe, dense = np.median(seconds[name]), np.median(seconds[d_ff])
-            target = f"{TARGETS[name]:.2f}" if name in TARGETS else ""
-            print(f"{mesh:<16}{name:<19}{moe * 1e3:>8.1f}{dense * 1e3:>9.1f}{d_ff:>6}"
-                  f"{ratio:>7.2f}{ratios.min():>7.2f}{ratios.max():>6.2f}{target:>7}"
-                  f"{1 - 1 / ratio:>8.0%}{dropped[name]:>8.3f}", flush=True)
-        for key in keys:  # each round's process, to see which side varies
-            print(f"{mesh:<16}{str(key):<19}ms per round: "
-                  + " ".join(f"{s * 1e3:.1f}" for s in seconds[key]), flush=True)
-    if args.only is None:
-        out = subprocess.run([sys.executable, __file__, "--meshes", MESHES[0], "--only",
-                              "breakdown"], capture_output=True, text=True, check=True).stdout
-        parts = json.loads(out.split("RESULT ")[-1])
-        experts = parts["experts alone"]
-        print(f"\none device, top-2 cf 1.25, forward and backward, no optimizer (fastest of "
-              f"40, interleaved in one process):")
-        for name, seconds in parts.items():
-            routing = f"routing {1 - experts / seconds:.0%}" if name.startswith("MoE") else ""
-            print(f"  {name:<20}{seconds * 1e3:>7.1f} ms  {routing}".rstrip())
-        dense = [v for k, v in parts.items() if k.startswith("dense")][0]
-        print(f"  experts' batched matmuls / dense matmuls of the same FLOPs: "
-              f"{experts / dense:.2f}")
+        for case in args.cases.split(","):
+            out = subprocess.run(
+                [sys.executable, __file__, "--meshes", mesh, "--only", case,
+                 "--pairs", str(args.pairs), "--batch", str(args.batch)],
+                capture_output=True, text=True, check=True).stdout
+            result = json.loads(out.split("RESULT ")[-1])
+            moe, dense = np.array(result["moe"]), np.array(result["dense"])
+            ratios = moe / dense
+            ratio, (q1, q3) = float(np.median(ratios)), np.percentile(ratios, [25, 75])
+            target = f"{TARGETS[case]:.2f}" if case in TARGETS else ""
+            print(f"{mesh:<16}{case:<19}{np.median(moe) * 1e3:>8.1f}"
+                  f"{np.median(dense) * 1e3:>9.1f}{CASES[case][1]:>6}{ratio:>7.2f}{q1:>7.2f}"
+                  f"{q3:>6.2f}{target:>7}{1 - 1 / ratio:>8.0%}{result['dropped']:>8.3f}",
+                  flush=True)
+    out = subprocess.run([sys.executable, __file__, "--only", "breakdown",
+                          "--batch", str(args.batch)],
+                         capture_output=True, text=True, check=True).stdout
+    parts = json.loads(out.split("RESULT ")[-1])
+    experts = parts["experts alone"]
+    print("\none device, top-2 cf 1.25, forward and backward, no optimizer (fastest of "
+          "40, interleaved in one process):")
+    for name, seconds in parts.items():
+        routing = f"routing {1 - experts / seconds:.0%}" if name.startswith("MoE") else ""
+        print(f"  {name:<28}{seconds * 1e3:>7.1f} ms  {routing}".rstrip())
+    dense = [v for k, v in parts.items() if k.startswith("dense")][0]
+    print(f"  experts' batched matmuls / dense matmuls of the same FLOPs: {experts / dense:.2f}; "
+          f"/ the same matmuls flattened: {experts / parts['experts flattened']:.2f}")
 
 
 if __name__ == "__main__":

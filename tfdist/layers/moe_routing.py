@@ -4,8 +4,8 @@ Every router here returns a `Routing` over one replica's `T = G * S` tokens
 (`G` groups of `S`, GShard's local dispatch groups):
 
     slot_token [E, G, C]  int32, the token (a row of the flat `[T, M]` tokens)
-                          in slot c of expert e's buffer for group g; T (a
-                          zero row appended to the tokens) where it is empty
+                          in slot c of expert e's buffer for group g; T (no
+                          token) where it is empty
     slot_gate  [E, G, C]  float32, that token's gate for expert e (0 if empty)
     stats                 `aux_loss`, `z_loss`, `dropped_fraction`, `load [E]`
 
