@@ -28,6 +28,16 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `keras_tp_pairs`: Megatron pairing of keras-hub feed-forward blocks' column and
   row layers (the blocks' `call`s, each checked against the installed keras-hub).
 - `keras_hub_moe_loss`: keras-hub's MoE load-balancing loss over every replica.
+- `keras_hub_attention`: keras-hub's and Keras's attention layers on their local
+  heads where a `LayoutMap` splits the heads (each `call` checked against the
+  installed source).
+- `keras_initial_slices`: a shard of a Keras random initializer's value drawn
+  alone, equal to its box of the whole draw (TF's Philox counters).
+- `keras_jit`: `jit_compile=True` falling back on a multi-device tfdist mesh.
+- `loss_scale`: mixed-precision loss scaling skipping a step on every replica
+  when any overflowed.
+- `sources`: the sha256 of an upstream function's installed source, which a hook
+  mirroring it checks before it runs.
 - `keras_h5_slices`: Keras weight files read slice by slice into sharded variables.
 - `keras_remat`: recomputation with the forward pass's random numbers, variable
   updates, losses and call context (`keras.remat`, `keras.RematScope` on TF).

@@ -34,14 +34,13 @@ split, the plan finds no pair and nothing is paired).
 """
 
 import functools
-import hashlib
 import importlib
-import inspect
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist.internal import sources
 
 # keras-hub classes: (module, class) -> ((query, key, value attributes), output attribute,
 # {method: sha256 of its source, as mirrored or relied on here}, substitute's name).
@@ -76,9 +75,7 @@ SOURCES = {
 
 def fingerprint(cls, method: str) -> str:
     """sha256 of the installed source of `cls.method` (as keras-hub wrote it)."""
-    function = cls.__dict__[method]
-    function = getattr(function, "_tfdist_original", function)
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+    return sources.source_sha256(cls.__dict__[method])
 
 
 @functools.cache  # the installed sources do not change within a process

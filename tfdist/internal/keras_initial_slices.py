@@ -28,15 +28,15 @@ fails, asking for the mirror to be checked.
 """
 
 import functools
-import hashlib
 import importlib
-import inspect
 import math
 from typing import Callable, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tfdist.internal import sources
 
 # {(module, qualified name): sha256 of its source}: the code mirrored here.
 SOURCES = {
@@ -72,8 +72,7 @@ def source_hash(module: str, qualname: str) -> str:
     target = importlib.import_module(module)
     for part in qualname.split("."):
         target = getattr(target, part)
-    target = inspect.unwrap(target)
-    return hashlib.sha256(inspect.getsource(target).encode()).hexdigest()
+    return sources.source_sha256(target)
 
 
 @functools.cache  # the installed sources do not change within a process
