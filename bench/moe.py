@@ -16,8 +16,9 @@ device, 1x2 and 1x4 (`experts:model`; the dense FFNs Megatron-split with
 How it is timed: this shared 2-core virtual machine loses a core for seconds
 at a time (one process's epochs of identical work vary 170-530 ms), so a
 case and its dense FFN are built in one process and their training steps
-alternate, one MoE step then one dense step (`train_on_batch`, which returns
-after the step): each pair sees the same machine. The ratio is the median
+alternate, one MoE step and one dense step, each first in every other pair
+(`train_on_batch`, which returns after the step): each pair sees the same
+machine. The ratio is the median
 over the pairs of MoE step / dense step, with its quartiles. Each case runs
 in its own process (several meshes' models in one process crashed TF here).
 
@@ -110,7 +111,8 @@ def paired_steps(mesh, case, pairs):
     seconds, dropped = ([], []), []
     for step in range(pairs):
         rows = slice(step % batches * BATCH, (step % batches + 1) * BATCH)
-        for model, times in zip(models, seconds):
+        order = list(zip(models, seconds))
+        for model, times in order if step % 2 == 0 else order[::-1]:  # each goes first alike
             start = time.perf_counter()
             logs = model.train_on_batch(x[rows], y[rows], return_dict=True)
             times.append(time.perf_counter() - start)
