@@ -18,9 +18,10 @@ at a time (one process's epochs of identical work vary 170-530 ms), so a
 case and its dense FFN are built in one process and their training steps
 alternate, one MoE step and one dense step, each first in every other pair
 (`train_on_batch`, which returns after the step): each pair sees the same
-machine. The ratio is the median
-over the pairs of MoE step / dense step, with its quartiles. Each case runs
-in its own process (several meshes' models in one process crashed TF here).
+machine. The ratio is the median over the pairs of MoE step / dense step,
+with its quartiles. Each case runs in its own process, so no two cases share
+TF's state (an earlier version of this bench saw a segfault with several
+models fitted in one process; two per process ran cleanly on 1x1, 1x2, 1x4).
 
 "routing" is the fraction of the MoE's step not explained by its FLOPs:
 1 - dense / moe, against the dense FFN of the same FLOPs. On a 2-core CPU the
@@ -117,7 +118,7 @@ def paired_steps(mesh, case, pairs):
             logs = model.train_on_batch(x[rows], y[rows], return_dict=True)
             times.append(time.perf_counter() - start)
             if model is models[0]:
-                dropped.append(float(logs.get("moe_dropped", 0.0)))
+                dropped.append(float(logs["moe_dropped"]))
     return seconds[0], seconds[1], float(np.mean(dropped))
 
 
