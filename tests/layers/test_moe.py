@@ -410,3 +410,60 @@ def test_jitter_and_dropout_act_only_in_training():
     x = np.random.default_rng(0).normal(size=(2, 4, 6)).astype("float32")
     np.testing.assert_array_equal(layer(x, training=False), layer(x, training=False))
     assert not np.allclose(layer(x, training=True), layer(x, training=False))
+
+
+# -- XLA ------------------------------------------------------------------------
+
+
+def _length_buckets(steps=4):
+    """Batches of BATCH rows whose length changes (2, then 4 positions): the step's
+    input shape is not static, as with tf.data's length buckets."""
+    rng = np.random.default_rng(1)
+
+    def batches():
+        for step in range(steps):
+            x = rng.normal(size=(BATCH, 2 + 2 * (step % 2), D_MODEL)).astype("float32")
+            yield x, np.tanh(x[..., ::-1] * 2.0).astype("float32")
+
+    spec = tf.TensorSpec((BATCH, None, D_MODEL), tf.float32)
+    return tf.data.Dataset.from_generator(batches, output_signature=(spec, spec))
+
+
+# Dropless buffers are sized at run time: such a model runs without XLA (Keras's
+# fall-back, checked below).
+XLA_MODES = {**{k: v for k, v in MODES.items() if not v.get("dropless")},
+             "top3": dict(top_k=3, capacity_factor=1.0),
+             "top2_threshold": dict(top_k=2, second_expert_policy="threshold"),
+             "top2_one_hot": dict(top_k=2, dispatch="one_hot")}
+
+
+def _every_mode_model(modes=XLA_MODES):
+    x = inputs = keras.Input((None, D_MODEL))
+    for name, kwargs in modes.items():
+        x = x + MoE(4, 16, min_capacity=1, group_size=4, name=name, **kwargs)(x)
+    return keras.Model(inputs, x)
+
+
+def test_every_moe_option_trains_under_xla_like_without_it():
+    # Under a one-device mesh the step's shape keys (string ops) once kept XLA from
+    # compiling any model fed length buckets: "No registered 'AsString' OpKernel".
+    histories = {}
+    for jit in (True, False):
+        keras.utils.set_random_seed(0)
+        strategy = MeshStrategy("data:1")
+        with strategy.scope():
+            model = _every_mode_model()
+            model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=jit)
+        assert model.jit_compile is jit
+        histories[jit] = model.fit(_length_buckets(), epochs=1, verbose=0).history["loss"]
+    np.testing.assert_allclose(histories[True], histories[False], rtol=1e-4)
+    # Sampled second choices compile too (XLA draws other random numbers: no equality).
+    with strategy.scope():
+        sampling = _every_mode_model({"sampling": dict(top_k=2, second_expert_policy="sampling")})
+        sampling.compile("adam", "mse", jit_compile=True)
+    assert sampling.jit_compile is True
+    assert np.isfinite(sampling.fit(_length_buckets(2), verbose=0).history["loss"]).all()
+    with strategy.scope(), pytest.warns(UserWarning, match="Proceeding with `jit_compile=False`"):
+        dropless = _every_mode_model({"dropless": MODES["dropless"]})
+        dropless.compile("adam", "mse", jit_compile=True)
+    assert dropless.jit_compile is False

@@ -119,7 +119,10 @@ class TFCollectiveBackend:
         and must always see one shape.
         """
         tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
-        if tf.executing_eagerly() or not tensors or all(t.shape.is_fully_defined() for t in tensors):
+        # One device: no collective runs (every group has one member), so no key is
+        # needed, and the table's string ops would keep a one-device step from XLA.
+        if tf.executing_eagerly() or not tensors or len(self.devices) == 1 or \
+                all(t.shape.is_fully_defined() for t in tensors):
             yield
             return
         previous = self._shape_id
