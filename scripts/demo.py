@@ -23,7 +23,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, TrainConfig  # noqa: E402
-from flag_utils import validate_mesh_flags  # noqa: E402
+from flag_utils import run, validate_mesh_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -123,4 +123,4 @@ def _as_dict(config):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    run(main)

@@ -1,6 +1,12 @@
 """Helpers shared by the absl entry points in scripts/ (flags live only here)."""
 
-from absl import flags
+import atexit
+import os
+import re
+import sys
+import threading
+
+from absl import app, flags
 
 from tfdist.mesh import LayoutRules, MeshShape
 
@@ -91,3 +97,84 @@ def strategy_from_flags(mesh):
         return get_strategy("mesh", mesh_shape=mesh)
     return get_strategy("mesh_cluster", mesh_shape=mesh, cluster=cluster,
                         devices_per_worker=FLAGS.devices_per_worker)
+
+
+# TensorFlow's native start-up and run-time notes, written by its C++ logging to
+# file descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL says (TF 2.21 logs through
+# absl, before absl::InitializeLog): "I0000 00:00:... port.cc:153] oneDNN custom
+# operations are on", "cudart_stub.cc ... Could not find cuda drivers", ...
+_NATIVE_LINE = re.compile(rb"^[IW]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
+_NATIVE_NOISE = (
+    rb"WARNING: All log messages before absl::InitializeLog() is called",
+    rb"To enable the following instructions:",  # the second line of cpu_feature_guard's note
+    rb"failed call to cuInit",  # a machine without a GPU driver
+    rb"oneDNN supports DT_INT32 only on platforms with AVX-512",  # falls back, as it says
+)
+
+
+def _is_native_noise(line: bytes) -> bool:
+    return bool(_NATIVE_LINE.match(line)) or any(n in line for n in _NATIVE_NOISE)
+
+
+def quiet_native_logs() -> None:
+    """Leaves TensorFlow's native INFO/WARNING lines (and four known harmless
+    errors) out of this process's stderr; everything else passes, in order.
+
+    File descriptor 2 becomes a pipe read by a thread that drops those lines;
+    at exit it is restored and the thread drained. `TFDIST_NATIVE_LOGS=1` shows
+    everything.
+    """
+    if os.environ.get("TFDIST_NATIVE_LOGS") == "1":
+        return
+    sys.stderr.flush()
+    real = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump():
+        with os.fdopen(read_end, "rb") as source, os.fdopen(os.dup(real), "wb", 0) as sink:
+            for line in source:
+                if not _is_native_noise(line):
+                    sink.write(line)
+
+    thread = threading.Thread(target=pump, name="tfdist-stderr", daemon=True)
+    thread.start()
+
+    def restore():
+        sys.stderr.flush()
+        os.dup2(real, 2)  # closes the pipe's last write end here: the pump sees EOF
+        thread.join(timeout=5)  # a child process still holding the pipe: give up
+
+    atexit.register(restore)
+
+
+def fail(message) -> None:
+    """Ends the script on bad input: one line on stderr, exit status 2."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run(main) -> None:
+    """absl's `app.run(main)` for tfdist's scripts.
+
+    A bad flag (a validator's or a parser's error) and an `app.UsageError`
+    raised by `main` print one line, `<script>: error: <message>`, and exit 2:
+    no help text, no traceback. TensorFlow's native log notes are left out of
+    stderr (`quiet_native_logs`).
+    """
+    quiet_native_logs()
+
+    def parse(argv):
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            fail(e)
+
+    def checked(argv):
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            fail(e)
+
+    app.run(checked, flags_parser=parse)

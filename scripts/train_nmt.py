@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +30,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
-from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
+from flag_utils import (define_checkpoint_flags, define_cluster_flags, run,  # noqa: E402
                         strategy_from_flags, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
@@ -184,6 +185,8 @@ def main(argv):
             shutil.copy(config.spm_model, os.path.join(model_dir, "spm.model"))
 
     keras.utils.set_random_seed(config.seed)
+    # --xla compiles where TF can (one device); elsewhere Keras falls back, and says so.
+    warnings.filterwarnings("ignore", "Model doesn't support `jit_compile=True`")
     with strategy.scope():
         model = Transformer(model_config, name="transformer")
         if config.schedule == "inverse_sqrt":
@@ -215,7 +218,7 @@ def main(argv):
     epochs = config.steps // config.eval_every
     model.fit(dataset.skip(done * config.eval_every), epochs=epochs,
               steps_per_epoch=config.eval_every, verbose=2 if not sys.stdout.isatty() else 1,
-              callbacks=callbacks)
+              callbacks=callbacks, shuffle=False)  # the dataset shuffles itself
     bleu, _ = evaluation.evaluate() if not evaluation.history else (evaluation.history[-1], None)
     checkpoint.save(model, checkpoint.final_path(model_dir, fmt), with_optimizer=False, fmt=fmt)
     if chief:
@@ -227,4 +230,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    run(main)

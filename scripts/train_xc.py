@@ -22,7 +22,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, XCConfig  # noqa: E402
-from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
+from flag_utils import (define_checkpoint_flags, define_cluster_flags, run,  # noqa: E402
                         strategy_from_flags, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
@@ -87,8 +87,11 @@ def main(argv):
 
     C = config.num_classes
     if config.train_file:
-        x, y = read_xmc(config.train_file)
-        x_test, y_test = read_xmc(config.test_file, num_features=x.shape[1])
+        try:
+            x, y = read_xmc(config.train_file)
+            x_test, y_test = read_xmc(config.test_file, num_features=x.shape[1])
+        except (ValueError, FileNotFoundError) as e:  # a malformed or missing file
+            raise app.UsageError(str(e)) from None
         if max(y.max(), y_test.max()) >= C:
             raise app.UsageError(f"labels go up to {max(y.max(), y_test.max())} but num_classes={C}.")
         reps = -(-config.steps * config.batch_size // len(x))
@@ -155,4 +158,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    run(main)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
-from flag_utils import validate_mesh_flags  # noqa: E402
+from flag_utils import run, validate_mesh_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -106,4 +106,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    run(main)

@@ -16,3 +16,16 @@ def run_script():
                               capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
     return run
+
+
+@pytest.fixture
+def assert_one_line_error():
+    return _assert_one_line_error
+
+
+def _assert_one_line_error(result, fragment):
+    """Bad input: exit status 2 and one line on stderr, `<script>: error: ...` naming it."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert len(lines) == 1 and ": error: " in lines[0], result.stderr[-2000:]
+    assert fragment in lines[0], lines[0]
