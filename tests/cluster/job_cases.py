@@ -93,6 +93,24 @@ def zero(strategy, zero_strategy_for=None, stages=(1, 2)):
     return "; ".join(reports)
 
 
+def keras_hub_causal_lm(strategy):
+    """keras-hub's `GemmaCausalLM` with its preprocessor, built under the scope, on raw
+    strings (`fit`, `evaluate`, `predict`, greedy `generate`): `ModelParallel` with Gemma's
+    layout map, its model axis over the strategy's devices, against one device
+    (tests/distribution/test_keras_hub_tasks.py)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "distribution"))
+    import test_keras_hub_tasks as tasks
+
+    devices = list(strategy.extended.worker_devices)
+    reference = tasks.run_reference()
+    return tasks.assert_matches_one_device(
+        tasks.gemma_model_parallel((1, len(devices)), devices), reference)
+
+
 def keras_options(strategy):
     """Keras's conditional updates together: accumulation, EMA overwrite, decay, clipping."""
     x, y = make_copy_task(STEPS * 16)

@@ -10,6 +10,9 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
   (a `MirroredVariable`): true shards, gradients routed by variable.
 - `horovod_extended`: `HorovodExtended`, one replica per Horovod rank.
 - `averaging_extended`: local SGD with periodic model averaging (BMUF).
+- `single_controller`: `MeshExtended` and `AveragingExtended` over other tasks'
+  devices, their scope's eager ops and resources (a keras-hub tokenizer) left on
+  the controller.
 - `optimizer_gradients`: the Keras TF optimizer hook where gradients meet
   their variables before any reduction.
 - `optimizer_apply`: Keras's updates inside a cond (gradient accumulation,

@@ -2,7 +2,8 @@
 
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_create_variable`, `_batch_reduce_to`, `_update`, `_use_merge_call`,
-`_initialize_strategy`, `_call_for_each_replica`.
+`_call_for_each_replica` (`_initialize_strategy` through
+`tfdist.internal.single_controller`).
 
 Under an unmodified Keras `fit`:
 
@@ -34,6 +35,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
+from tfdist.internal import single_controller
 from tfdist.internal.even_steps import even_keras_step
 
 
@@ -42,7 +44,7 @@ class AveragingExtended(mirrored_strategy.MirroredExtended):
                  block_momentum, block_lr):
         super().__init__(container_strategy, devices=devices[:1],
                          cross_device_ops=cross_device_ops_lib.ReductionToOneDevice())
-        self._initialize_strategy(devices)  # devices may span tasks (single controller)
+        single_controller.initialize_on_devices(self, devices)  # may span tasks
         self.engine = engine
         self.period = period
         self.average_slots = average_slots

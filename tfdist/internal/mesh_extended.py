@@ -1,8 +1,8 @@
 """MeshExtended and ShardedVariable: true shards under tf.distribute.
 
 Private TF APIs used here (and only here): `MirroredExtended` and its hooks
-`_create_variable`, `_update`, `_use_merge_call`, `_initialize_strategy`,
-`_call_for_each_replica`;
+`_create_variable`, `_update`, `_use_merge_call`, `_call_for_each_replica`
+(`_initialize_strategy` through `tfdist.internal.single_controller`);
 `MirroredVariable` and its hooks `_get_cross_replica`,
 `_update_cross_replica`, `_update_replica`, `_serialize_to_tensors`,
 `_restore_from_tensors`.
@@ -47,6 +47,7 @@ from tensorflow.python.framework import ops
 from tfdist import collectives, weight_reads
 from tfdist.clipping import clip_global
 from tfdist.internal import keras_h5_slices, keras_variables
+from tfdist.internal import single_controller
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.mesh import TensorLayout
 
@@ -744,13 +745,13 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         # MirroredExtended refuses devices of several tasks in eager mode; a
         # single controller driving remote workers (like TPUStrategy) is what
         # tfdist's mesh over workers is, so initialise on the first device and
-        # then on all of them.
+        # then on all of them, the scope's eager ops left on the controller.
         super().__init__(
             container_strategy,
             devices=devices[:1],
             cross_device_ops=cross_device_ops_lib.ReductionToOneDevice(),
         )
-        self._initialize_strategy(devices)
+        single_controller.initialize_on_devices(self, devices)
         self.mesh = mesh
         self.backend = backend
         self._init_routing()
