@@ -28,7 +28,7 @@ def example(name):
 
 def test_every_example_is_tested_and_listed_in_the_readme():
     tested = {"custom_training_loop.py", "two_workers.py", "million_classes.py",
-              "horovod_job.py", "moe_transformer.sh"}
+              "horovod_job.py", "moe_transformer.sh", "finetune_causal_lm.py"}
     shipped = {f for f in os.listdir(EXAMPLES) if f.endswith((".py", ".sh"))}
     assert shipped == tested
     readme = open(os.path.join(EXAMPLES, "README.md")).read()
@@ -83,6 +83,20 @@ def test_million_classes_example_splits_the_classes_and_learns():
     assert "20,000 classes: kernel (64, 20000) -> (64, 10000) per device" in out
     top1 = float(re.search(r"held-out top-1 (\S+),", out).group(1))
     assert top1 > 0.3, out  # Zipf classes: the frequent ones are learnt in 10 steps
+
+
+@pytest.mark.slow
+def test_finetune_causal_lm_example_fits_raw_strings_and_generates():
+    out = run(sys.executable, example("finetune_causal_lm.py"), "--epochs=3", "--examples=128",
+              "--sequence_length=24")
+    params, held = re.search(r"([\d,]+) parameters on a 2x2 mesh; device 0 holds ([\d,]+) bytes",
+                             out).groups()
+    whole = 3 * 4 * int(params.replace(",", ""))  # weights and Adam's two slots
+    assert int(held.replace(",", "")) < 0.5 * whole, out  # split over the mesh, not copied
+    losses = [float(v) for v in re.findall(r" - loss: (\S+)", out)]
+    assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], out
+    generated = re.search(r"generate\('thirty-six, thirty-seven,'\): '(.*)'", out).group(1)
+    assert generated.startswith("thirty-six, thirty-seven,") and len(generated) > 25, out
 
 
 @pytest.mark.slow
