@@ -6,9 +6,10 @@ import pytest
 import tensorflow as tf
 
 from tfdist.layers import MoE, moe_routing
-from tfdist.layers.moe import expert_capacity, top_k_gating
+from tfdist.layers.moe import expert_capacity
 from tfdist.strategies import MeshStrategy
 from tfdist.testing.equivalence import assert_equivalent, run_reference
+from tfdist.testing.gshard_gating import gshard_top_k_gating
 
 # -- routing on tiny hand-computed cases --------------------------------------
 
@@ -131,8 +132,9 @@ def test_dropless_buffers_fit_the_busiest_expert_and_drop_nothing():
         [1, 9, 16, 18, 20, 36, 104, 1024]
 
 
-def test_index_routing_equals_gshard_one_hot_routing():
-    """`token_choice`'s slots are `top_k_gating`'s one-hot dispatch and combine tensors."""
+def test_the_router_equals_gshard_one_hot_gating():
+    """`token_choice`'s slots are GShard's one-hot dispatch and combine tensors (written
+    independently, `tfdist.testing.gshard_gating`), also through `moe_routing.one_hot`."""
     rng = np.random.default_rng(0)
     for top_k, capacity, policy, masked in [(1, 2, "all", False), (2, 3, "all", False),
                                             (2, 2, "threshold", True)]:
@@ -140,8 +142,8 @@ def test_index_routing_equals_gshard_one_hot_routing():
         mask = tf.constant(rng.integers(0, 2, (3, 6)), tf.float32) if masked else None
         routing = moe_routing.token_choice(logits, top_k, capacity, policy, 0.3,
                                            token_mask=mask)
-        dispatch, combine, stats = top_k_gating(logits, top_k, capacity, policy, 0.3,
-                                                token_mask=mask)
+        dispatch, combine, stats = gshard_top_k_gating(logits, top_k, capacity, policy, 0.3,
+                                                       token_mask=mask)
         one_hot = np.zeros((3, 6, 4, capacity, 2))  # [G, S, E, C, (dispatch, combine)]
         tokens, gates = routing.slot_token.numpy(), routing.slot_gate.numpy()
         for (e, g, c), t in np.ndenumerate(tokens):
@@ -152,14 +154,19 @@ def test_index_routing_equals_gshard_one_hot_routing():
         np.testing.assert_allclose(one_hot[..., 1], combine.numpy(), rtol=1e-6)
         for name, value in stats.items():
             np.testing.assert_allclose(routing.stats[name].numpy(), value.numpy(), rtol=1e-6)
+        ours = moe_routing.one_hot(routing, 6)  # what dispatch="one_hot" multiplies by
+        np.testing.assert_array_equal(ours[0].numpy(), dispatch.numpy())
+        np.testing.assert_allclose(ours[1].numpy(), combine.numpy(), rtol=1e-6)
 
 
-def test_index_dispatch_layer_equals_one_hot_dispatch_layer():
+@pytest.mark.parametrize("routing", [dict(top_k=2), dict(top_k=3),
+                                     dict(routing="expert_choice")])
+def test_index_dispatch_layer_equals_one_hot_dispatch_layer(routing):
     x = np.random.default_rng(1).normal(size=(4, 4, 8)).astype("float32")
     outputs = []
     for dispatch in ("index", "one_hot"):
-        layer = MoE(4, 16, top_k=2, capacity_factor=1.0, min_capacity=1, group_size=4,
-                    dispatch=dispatch, z_loss_coef=1e-3)
+        layer = MoE(4, 16, capacity_factor=1.0, min_capacity=1, group_size=4,
+                    dispatch=dispatch, z_loss_coef=1e-3, **routing)
         layer.build(x.shape)
         if outputs:
             layer.set_weights(weights)
@@ -208,7 +215,7 @@ def test_capacity_formula():
         (dict(routing="expert_choice", dropless=True), "routing='expert_choice'"),
         (dict(shared_d_ff=-1), "shared_d_ff=-1"),
         (dict(dispatch="sort"), "dispatch='sort'"),
-        (dict(dispatch="one_hot", top_k=3), "top_k=3"),
+        (dict(dispatch="one_hot", dropless=True), "dropless=True"),
         (dict(num_experts=0), "num_experts=0"),
         (dict(second_expert_policy="random"), "second_expert_policy='random'"),
         (dict(capacity_factor=0), "capacity_factor=0"),
@@ -396,13 +403,15 @@ def test_sampling_policy_keeps_second_choices_in_proportion_to_their_gate():
     p = np.log(np.array([0.9, 0.1]))
     logits = tf.constant(np.tile(p, (1, 4000, 1)), dtype=tf.float32)
     seed = keras.random.SeedGenerator(1)
-    dispatch, _, _ = top_k_gating(logits, top_k=2, capacity=8000, second_expert_policy="sampling",
-                                  second_expert_threshold=0.2, training=True, seed=seed)
-    kept = dispatch.numpy()[0, :, 1].sum() / 4000
+    routing = moe_routing.token_choice(logits, top_k=2, capacity=8000,
+                                       second_expert_policy="sampling",
+                                       second_expert_threshold=0.2, training=True, seed=seed)
+    kept = int(tf.reduce_sum(tf.cast(routing.slot_token[1] < 4000, tf.int32))) / 4000
     assert 0.45 < kept < 0.55
-    dispatch, _, _ = top_k_gating(logits, top_k=2, capacity=8000, second_expert_policy="sampling",
-                                  second_expert_threshold=0.2, training=False)
-    assert dispatch.numpy()[0, :, 1].sum() == 0  # evaluation: deterministic threshold
+    routing = moe_routing.token_choice(logits, top_k=2, capacity=8000,
+                                       second_expert_policy="sampling",
+                                       second_expert_threshold=0.2, training=False)
+    assert int(tf.reduce_sum(tf.cast(routing.slot_token[1] < 4000, tf.int32))) == 0
 
 
 def test_jitter_and_dropout_act_only_in_training():

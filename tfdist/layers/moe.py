@@ -61,105 +61,6 @@ def expert_capacity(group_size, num_experts, top_k, capacity_factor, min_capacit
     return max(min_capacity, min(group_size, wanted))
 
 
-def top_k_gating(
-    logits,
-    top_k,
-    capacity,
-    second_expert_policy="all",
-    second_expert_threshold=0.2,
-    training=False,
-    seed=None,
-    token_mask=None,
-):
-    """GShard top-1/top-2 gating with capacity as one-hot tensors (`dispatch="one_hot"`).
-
-    The same routing as `moe_routing.token_choice` for top-1 and top-2.
-
-    Args:
-        logits: router logits `[G, S, E]` (float32).
-        top_k: 1 (Switch) or 2 (GShard).
-        capacity: C, tokens per expert per group.
-        second_expert_policy: for top-2, which second choices are kept:
-            `all`; `threshold` (gate_2 > threshold); `sampling` (in training,
-            with probability gate_2 / threshold; in evaluation as `threshold`).
-        second_expert_threshold: the threshold of the two policies above.
-        training: whether the layer is training.
-        seed: a `keras.random.SeedGenerator` for `sampling`.
-        token_mask: optional `[G, S]`, 1 for real tokens, 0 for padding (the
-            padded rows of a partial batch, `tfdist.batch_rows`): padding goes
-            to no expert, takes no capacity and is left out of every statistic.
-
-    Returns:
-        `(dispatch, combine, stats)`: `dispatch [G, S, E, C]` is 1 where a token
-        goes to slot c of expert e; `combine [G, S, E, C]` holds its gate there;
-        `stats` has `aux_loss` (GShard load balancing), `z_loss`,
-        `dropped_fraction` (tokens whose top-1 choice was over capacity) and
-        `load` (`[E]`, fraction of tokens each expert takes as top-1).
-    """
-    num_experts = logits.shape[-1]
-    probs = tf.nn.softmax(logits, axis=-1)  # [G, S, E]
-    index_1 = tf.argmax(probs, axis=-1)  # [G, S]
-    mask_1 = tf.one_hot(index_1, num_experts, dtype=probs.dtype)  # [G, S, E]
-    gate_1 = tf.reduce_sum(probs * mask_1, axis=-1)  # [G, S]
-    real = None if token_mask is None else tf.cast(token_mask, probs.dtype)  # [G, S]
-    if real is not None:
-        mask_1 *= real[..., None]
-    mean_over_tokens, mean_over_groups = moe_routing.token_means(real)
-
-    # GShard's auxiliary loss: mean over groups and experts of
-    # (fraction of tokens whose top-1 is e) * (mean router probability of e), times E^2.
-    density = mean_over_tokens(mask_1, axis=1)  # [G, E]
-    density_proxy = mean_over_tokens(probs, axis=1)  # [G, E]
-    aux_loss = mean_over_groups(density * density_proxy) * float(num_experts**2)
-    z_loss = mean_over_tokens(tf.square(tf.reduce_logsumexp(logits, axis=-1)))
-
-    if top_k == 2:
-        probs_2 = probs * (1.0 - mask_1)
-        index_2 = tf.argmax(probs_2, axis=-1)
-        mask_2 = tf.one_hot(index_2, num_experts, dtype=probs.dtype)
-        gate_2 = tf.reduce_sum(probs_2 * mask_2, axis=-1)
-        if token_mask is not None:
-            mask_2 *= real[..., None]
-        denom = gate_1 + gate_2 + 1e-9
-        gate_1, gate_2 = gate_1 / denom, gate_2 / denom
-        if second_expert_policy == "threshold" or (
-            second_expert_policy == "sampling" and not training
-        ):
-            mask_2 *= tf.cast(gate_2 > second_expert_threshold, probs.dtype)[..., None]
-        elif second_expert_policy == "sampling":
-            uniform = keras.random.uniform(tf.shape(gate_2), seed=seed)
-            keep = uniform < gate_2 / max(second_expert_threshold, 1e-9)
-            mask_2 *= tf.cast(keep, probs.dtype)[..., None]
-
-    # Slot of each token in its expert: top-1 choices first, in token order.
-    position_1 = tf.cumsum(mask_1, axis=1, exclusive=True) * mask_1  # [G, S, E]
-    mask_1 *= tf.cast(position_1 < capacity, probs.dtype)
-    kept_1 = tf.reduce_sum(mask_1, axis=-1)  # [G, S]
-    slot_1 = tf.cast(tf.reduce_sum(position_1 * mask_1, axis=-1), tf.int32)  # [G, S]
-    dispatch = mask_1[..., None] * tf.one_hot(slot_1, capacity, dtype=probs.dtype)[:, :, None, :]
-    combine = (gate_1 * kept_1)[..., None, None] * dispatch  # [G, S, E, C]
-    if token_mask is None:
-        load = tf.reduce_mean(mask_1, axis=[0, 1])  # [E]
-        dropped = 1.0 - tf.reduce_mean(kept_1)
-    else:
-        tokens = tf.maximum(tf.reduce_sum(real), 1.0)
-        load = tf.reduce_sum(mask_1, axis=[0, 1]) / tokens
-        dropped = tf.math.divide_no_nan(tf.reduce_sum(real - kept_1), tf.reduce_sum(real))
-
-    if top_k == 2:
-        taken_1 = tf.reduce_sum(mask_1, axis=1, keepdims=True)  # [G, 1, E]
-        position_2 = (tf.cumsum(mask_2, axis=1, exclusive=True) + taken_1) * mask_2
-        mask_2 *= tf.cast(position_2 < capacity, probs.dtype)
-        kept_2 = tf.reduce_sum(mask_2, axis=-1)
-        slot_2 = tf.cast(tf.reduce_sum(position_2 * mask_2, axis=-1), tf.int32)
-        dispatch_2 = mask_2[..., None] * tf.one_hot(slot_2, capacity, dtype=probs.dtype)[:, :, None, :]
-        dispatch += dispatch_2
-        combine += (gate_2 * kept_2)[..., None, None] * dispatch_2
-
-    stats = dict(aux_loss=aux_loss, z_loss=z_loss, dropped_fraction=dropped, load=load)
-    return dispatch, combine, stats
-
-
 class ExpertLoad(keras.metrics.Metric):
     """Per-expert load: the fraction of tokens each expert takes as top-1.
 
@@ -234,7 +135,7 @@ class MoE(keras.layers.Layer):
             output must not depend on later tokens: expert choice is refused.
         dispatch: `index` (gather the tokens into the experts' buffers and
             scatter-add them back) or `one_hot` (GShard's dispatch and
-            combine einsums; token choice, top-1 or top-2, with capacity).
+            combine einsums over the same routing; not dropless).
 
     Input shape: `[batch, length, d_model]` or `[batch, d_model]`.
     Output shape: the same.
@@ -339,11 +240,10 @@ class MoE(keras.layers.Layer):
         if dispatch not in DISPATCHES:
             raise ValueError(f"`dispatch` must be one of {list(DISPATCHES)}. Received: "
                              f"dispatch={dispatch!r}")
-        if dispatch == "one_hot" and (routing != "token_choice" or dropless or top_k > 2):
+        if dispatch == "one_hot" and dropless:
             raise ValueError(
-                f"dispatch='one_hot' is GShard's top-1/top-2 token choice with capacity; "
-                f"received routing={routing!r}, dropless={dropless!r}, top_k={top_k!r}. "
-                f"Use dispatch='index'."
+                f"dispatch='one_hot' is GShard's dispatch into buffers of a fixed capacity; "
+                f"received dropless={dropless!r}. Use dispatch='index'."
             )
         self.top_k = top_k
         self.capacity_factor = float(capacity_factor)
@@ -521,15 +421,14 @@ class MoE(keras.layers.Layer):
         return tf.math.unsorted_segment_sum(weighted, token, num_tokens)
 
     def _one_hot_experts(self, groups, logits, S, training, token_mask):
-        """GShard's formulation: one-hot dispatch and combine einsums."""
-        dispatch, combine, stats = top_k_gating(
-            logits, self.top_k, self._capacity(S, training), self.second_expert_policy,
-            self.second_expert_threshold, training, self.seed_generator, token_mask)
+        """GShard's formulation: one-hot dispatch and combine einsums, same routing."""
+        routing = self._route(logits, S, training, token_mask)
+        dispatch, combine = moe_routing.one_hot(routing, S)  # [G, S, E, C]
         dispatch = tf.cast(dispatch, groups.dtype)
         combine = tf.cast(combine, groups.dtype)
         expert_in = tf.einsum("gsec,gsm->egcm", dispatch, groups)  # [E, G, C, M]
         expert_out = self._expert_ffn(expert_in, training)
-        return tf.einsum("gsec,egcm->gsm", combine, expert_out), stats  # [G, S, M]
+        return tf.einsum("gsec,egcm->gsm", combine, expert_out), routing.stats  # [G, S, M]
 
     def _expert_ffn(self, expert_in, training):
         """Every expert's FFN on its buffers `[E, G, C, M]`, expert-parallel over A."""

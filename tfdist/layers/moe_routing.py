@@ -189,6 +189,23 @@ def token_choice(logits, top_k, capacity, second_expert_policy="all",
     return Routing(slot_token, slot_gate, stats)
 
 
+def one_hot(routing, group_size):
+    """GShard's one-hot `dispatch, combine [G, S, E, C]` of a `Routing` with capacity.
+
+    `dispatch[g, s, e, c]` is 1 where token s of group g fills slot c of
+    expert e, `combine` holds its gate there; an empty slot (token T) is in no
+    group's range and so all zeros. For `dispatch="one_hot"`, whose einsums
+    move the tokens at O(G*S*E*C*M) FLOPs; the routing is the same.
+    """
+    G = tf.shape(routing.slot_token)[1]
+    group_start = tf.reshape(tf.range(G) * group_size, [1, G, 1])
+    in_group = routing.slot_token - group_start  # [E, G, C]; empty: >= S
+    dispatch = tf.transpose(tf.one_hot(in_group, group_size, dtype=routing.slot_gate.dtype),
+                            [1, 3, 0, 2])  # [E, G, C, S] -> [G, S, E, C]
+    gates = tf.transpose(routing.slot_gate, [1, 0, 2])[:, None]  # [G, 1, E, C]
+    return dispatch, dispatch * gates
+
+
 def expert_choice(logits, capacity, token_mask=None):
     """Each expert takes the `capacity` tokens of a group it scores highest (Zhou et al.).
 
