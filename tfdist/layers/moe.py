@@ -61,14 +61,15 @@ def expert_capacity(group_size, num_experts, top_k, capacity_factor, min_capacit
     return max(min_capacity, min(group_size, wanted))
 
 
-class ExpertLoad(keras.metrics.Metric):
-    """Per-expert load: the fraction of tokens each expert takes as top-1.
+class MaxExpertLoad(keras.metrics.Metric):
+    """The busiest expert's load: its fraction of the tokens (as top-1) times E.
 
-    `result()` is the load of the busiest expert times E (1.0 when balanced);
-    `per_expert()` returns the `[E]` fractions.
+    `result()` is 1.0 when the load is balanced, E when one expert takes
+    every token; `per_expert()` returns the `[E]` fractions, averaged over
+    the updates.
     """
 
-    def __init__(self, num_experts, name="expert_load", **kwargs):
+    def __init__(self, num_experts, name="max_expert_load", **kwargs):
         super().__init__(name=name, **kwargs)
         self.num_experts = num_experts
         self.total = self.add_variable(shape=(num_experts,), initializer="zeros", name="total")
@@ -270,7 +271,7 @@ class MoE(keras.layers.Layer):
         self.aux_loss_metric = keras.metrics.Mean(name=f"{self.name}_aux_loss")
         self.z_loss_metric = keras.metrics.Mean(name=f"{self.name}_z_loss")
         self.dropped_metric = keras.metrics.Mean(name=f"{self.name}_dropped")
-        self.load_metric = ExpertLoad(num_experts, name=f"{self.name}_max_load")
+        self.load_metric = MaxExpertLoad(num_experts, name=f"{self.name}_max_load")
 
     def build(self, input_shape):
         d_model = int(input_shape[-1])
