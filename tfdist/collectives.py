@@ -93,6 +93,8 @@ def psum(x, axis: Optional[str]):
 
 
 def _psum(ctx, x):
+    _outside_loops("psum")
+
     @tf.custom_gradient
     def op(x):
         def grad(dy):
@@ -108,6 +110,7 @@ def pmax(x, axis: Optional[str]):
     ctx = axis_context(axis)
     if ctx is None:
         return tf.stop_gradient(x)
+    _outside_loops("pmax")
     return tf.stop_gradient(ctx.backend.all_reduce(x, ctx.replica, ctx.group, merge_op="Max"))
 
 
@@ -201,7 +204,16 @@ def _sparse_reduce_scatter(ctx, dy, dim, local_shape):
     return tf.IndexedSlices(values, indices, dense_shape)
 
 
+def _outside_loops(what):
+    """Raises, naming the layer, where a Keras call traces collective `what` inside a
+    `while_loop` (TF cannot differentiate it; `tfdist.internal.keras_loop_reads`)."""
+    from tfdist.internal import keras_loop_reads
+
+    keras_loop_reads.check_no_loop(what)
+
+
 def _gather_on(ctx, x, dim):
+    _outside_loops("all_gather")
     dim = dim % x.shape.rank
     stacked = ctx.backend.all_gather(x[tf.newaxis], ctx.replica, ctx.group)
     return tf.concat(tf.unstack(stacked, num=ctx.size), axis=dim)
@@ -253,6 +265,7 @@ def _reduce_scatter(ctx, x, dim):
 
 def _exchange(ctx, x, split_dim, shape_varies=False):
     """Sends part j of `x` (split on `split_dim`) to peer j; stacks what arrives."""
+    _outside_loops("all_to_all")
     split_dim = split_dim % x.shape.rank
     n = x.shape[split_dim]
     if n is not None and n % ctx.size:  # unknown until run time: tf.split checks it then

@@ -49,6 +49,11 @@ def local_axes(*axes: str):
         _state.local = previous
 
 
+def kept_local() -> frozenset:
+    """The mesh axes `local_axes` keeps local here (what a weight read depends on)."""
+    return getattr(_state, "local", frozenset())
+
+
 def gathered_axes(layout):
     """The mesh axes a read of a weight with `layout` gathers here (in dimension order)."""
     keep = getattr(_state, "local", frozenset())

@@ -53,7 +53,9 @@ class ModelParallel(MeshStrategy):
       tensor-parallel computation with the layouts the map names.
     - Every other layer reads the whole weight, all-gathered from its shards,
       and its gradient is reduce-scattered to them (FSDP); so is any dimension
-      laid out on the batch axis.
+      laid out on the batch axis. A weight read inside a loop (the cell of an
+      `LSTM`, `GRU`, `SimpleRNN` or `RNN`, a `keras.ops.while_loop`) is
+      gathered once, before the loop.
 
     Results are those of one device. The global batch is split over every
     replica (so replicas along the model axes hold different rows, and no

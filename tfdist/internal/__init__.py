@@ -42,6 +42,9 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `sources`: the sha256 of an upstream function's installed source, which a hook
   mirroring it checks before it runs.
 - `keras_h5_slices`: Keras weight files read slice by slice into sharded variables.
+- `keras_loop_reads`: split weights read inside a loop of a Keras call (an RNN's
+  cell, `keras.ops.while_loop`) read once before the loop; tfdist collectives
+  inside such a loop refused, naming the layer.
 - `keras_remat`: recomputation with the forward pass's random numbers, variable
   updates, losses and call context (`keras.remat`, `keras.RematScope` on TF).
 """
@@ -53,11 +56,12 @@ def install_keras_hooks() -> None:
     Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
     every tfdist mesh strategy calls this when it is created.
     """
-    from tfdist.internal import (keras_h5_slices, keras_jit, keras_lamb, keras_remat,
-                                 keras_rows, loss_scale, optimizer_apply, optimizer_gradients)
+    from tfdist.internal import (keras_h5_slices, keras_jit, keras_lamb, keras_loop_reads,
+                                 keras_remat, keras_rows, loss_scale, optimizer_apply,
+                                 optimizer_gradients)
 
     for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale,
-                 keras_rows, keras_h5_slices, keras_remat):
+                 keras_rows, keras_h5_slices, keras_remat, keras_loop_reads):
         hook.install()
 
 

@@ -11,7 +11,9 @@ when one mesh axis other than the batch axis splits it, and otherwise FSDP,
 the weight gathered for its contraction and gathered again in the backward
 pass (`weight_reads.regathered`: the whole weight is not kept alive between
 the passes). Any other layer runs its original `call`, whose weight reads
-gather the whole weight (FSDP, `tfdist.weight_reads`), exact for any layer.
+gather the whole weight (FSDP, `tfdist.weight_reads`), exact for any layer;
+so do these layers inside a `while_loop` of a Keras call (an RNN's cell),
+where their weights are read whole, once, before the loop (`keras_loop_reads`).
 `tests/internal/test_keras_tensor_parallel.py` checks every entry against the
 installed Keras and the original `call`.
 
@@ -50,7 +52,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import collectives, runtime, weight_reads
-from tfdist.internal import keras_tp_pairs, keras_variables
+from tfdist.internal import keras_loop_reads, keras_tp_pairs, keras_variables
 
 
 def _layout(variable):
@@ -71,6 +73,8 @@ def _plan(layer, variable):
     """
     layouts = _keras_layouts()
     if layouts is None or tf.distribute.in_cross_replica_context():
+        return None
+    if keras_loop_reads.in_loop():  # Keras's call: its weights read whole, before the loop
         return None
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return None

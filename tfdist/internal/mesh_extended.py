@@ -46,7 +46,7 @@ from tensorflow.python.framework import ops
 
 from tfdist import collectives, weight_reads
 from tfdist.clipping import clip_global
-from tfdist.internal import keras_h5_slices, keras_variables
+from tfdist.internal import keras_h5_slices, keras_loop_reads, keras_variables
 from tfdist.internal import single_controller
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.mesh import TensorLayout
@@ -115,13 +115,19 @@ class ShardedVariable(values.MirroredVariable):
         if replica_id is None:
             return self._get_cross_replica()
         if self._tfdist_gather_on_read and distribute_lib.get_update_replica_id() is None:
-            kept = self._tfdist_kept
-            if kept is not None:
-                return weight_reads.read_kept(self._values[replica_id], kept.copy.values[replica_id],
-                                              kept.axis, kept.dim, kept.base,
-                                              whole_gradient=kept.whole_gradient)
-            return weight_reads.read_in_replica(self._tfdist_layout, self._values[replica_id])
+            # Inside a loop of a Keras call: read once, before the loop.
+            return keras_loop_reads.read_once(self, weight_reads.kept_local(),
+                                              lambda: self._read_whole(replica_id))
         return self._values[replica_id]
+
+    def _read_whole(self, replica_id):
+        """This replica's read of a `LayoutMap` weight: gathered as `weight_reads` says."""
+        kept = self._tfdist_kept
+        if kept is not None:
+            return weight_reads.read_kept(self._values[replica_id], kept.copy.values[replica_id],
+                                          kept.axis, kept.dim, kept.base,
+                                          whole_gradient=kept.whole_gradient)
+        return weight_reads.read_in_replica(self._tfdist_layout, self._values[replica_id])
 
     def _get_cross_replica(self):
         return assemble_global(self._tfdist_layout, [v.read_value() for v in self._values])
@@ -145,6 +151,7 @@ class ShardedVariable(values.MirroredVariable):
     _tfdist_assign_slices = True
 
     def _update_cross_replica(self, update_fn, value, **kwargs):
+        keras_loop_reads.before_assign(self)
         layout = self._tfdist_layout
         if isinstance(value, keras_h5_slices.H5Slices) and not layout.is_padded:
             read = {}  # one read per distinct shard of this process
@@ -194,6 +201,7 @@ class ShardedVariable(values.MirroredVariable):
         return kept.copy.assign(self._get_cross_replica(), read_value=False)
 
     def _update_replica(self, update_fn, value, **kwargs):
+        keras_loop_reads.before_assign(self)
         return update_fn(self._get_on_device_or_primary(), value, **kwargs)
 
     # tf.train.Checkpoint: save and restore the global tensor, not shard 0.
