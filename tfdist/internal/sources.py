@@ -3,7 +3,8 @@
 A hook that copies part of a Keras, keras-hub or TF function records the
 sha256 of that function's installed source; where the installed one differs,
 the hook steps aside (the upstream code runs) and its test fails, naming what
-moved. Used by `keras_initial_slices` and `keras_hub_attention`.
+moved. Used by `keras_initial_slices`, `keras_hub_attention` and `hooks`
+(the table of every upstream hook, checked when a strategy is created).
 """
 
 import hashlib

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.comm.tf_collectives import TFCollectiveBackend
-from tfdist.internal import install_keras_hooks
+from tfdist.internal import hooks, install_keras_hooks
 from tfdist.internal.averaging_extended import AveragingExtended
 from tfdist.mesh import Mesh
 from tfdist.strategies.mesh_strategy import resolve_devices
@@ -54,6 +54,7 @@ class ModelAveragingStrategy(tf.distribute.Strategy):
                  devices: Optional[Sequence[str]] = None, average_slots: bool = True,
                  block_momentum: float = 0.0, block_lr: float = 1.0,
                  collective_timeout: float = 0.0):
+        hooks.verify()  # the installed TF / Keras / keras-hub are the ones tfdist hooks into
         if not isinstance(period, int) or period < 1:
             raise ValueError(f"period must be a positive integer; received period={period!r}.")
         if not 0 <= block_momentum < 1:

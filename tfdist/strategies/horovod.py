@@ -6,7 +6,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
-from tfdist.internal import install_keras_hooks, install_layout_map_hooks
+from tfdist.internal import hooks, install_keras_hooks, install_layout_map_hooks
 from tfdist.keras_layouts import KerasLayouts
 from tfdist.internal.horovod_extended import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras
@@ -87,6 +87,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                  batch_dim_name: Optional[str] = None, reshard_after_forward: bool = True,
                  zero_stage: int = 0,
                  prefetch: bool = False):
+        hooks.verify()  # the installed TF / Keras / keras-hub are the ones tfdist hooks into
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
                              f"received compression={compression!r}.")

@@ -8,7 +8,7 @@ from absl import logging
 from tfdist.comm import fusion
 from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES
 from tfdist.comm.tf_collectives import TFCollectiveBackend
-from tfdist.internal import install_keras_hooks
+from tfdist.internal import hooks, install_keras_hooks
 from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.internal.mesh_extended import MeshExtended
 from tfdist.mesh import Mesh
@@ -124,6 +124,7 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
         max_shapes: int = DEFAULT_MAX_SHAPES,
     ):
+        hooks.verify()  # the installed TF / Keras / keras-hub are the ones tfdist hooks into
         mesh = mesh_shape if isinstance(mesh_shape, Mesh) else Mesh.parse(mesh_shape, layout)
         devices = resolve_devices(mesh, devices)
         backend = TFCollectiveBackend(devices, timeout_seconds=collective_timeout,

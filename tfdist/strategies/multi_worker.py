@@ -5,7 +5,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.cluster import ClusterConfig
-from tfdist.internal import install_keras_hooks
+from tfdist.internal import hooks, install_keras_hooks
 from tfdist.internal.even_steps import wrap_mirrored_steps
 from tfdist.internal.keras_reduce import reduce_for_keras
 
@@ -40,6 +40,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     def __init__(self, communication: str = "ring", timeout_seconds: float = 60.0,
                  cluster_resolver: Optional[object] = None):
+        hooks.verify()  # the installed TF / Keras / keras-hub are the ones tfdist hooks into
         if communication not in _IMPLEMENTATIONS:
             raise ValueError(f"communication must be one of {sorted(_IMPLEMENTATIONS)}; "
                              f"received communication={communication!r}.")
