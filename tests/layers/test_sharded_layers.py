@@ -88,3 +88,23 @@ def test_weight_layouts_record_the_mesh_mapping():
     assert layer.weight_layouts["kernel"].mesh_axes == (None, "model")
     assert layer.weight_layouts["kernel"].local_shape == (4, 4)
     assert layer.weight_layouts["bias"].mesh_axes == ("model",)
+
+
+def test_row_parallel_input_moves_by_all_to_all_not_an_all_gather_of_the_rows():
+    # [b, L, d_in] = [4, 3, 16] per replica, d_in split over model:4. The input's
+    # exchange sends each device's 4*3*16 values as 4 parts of 4*3*4 (an all-gather of
+    # the rows and a slice moved each device's whole rows to every peer: 4x the bytes).
+    from tfdist.testing.collective_log import recorded
+
+    strategy = MeshStrategy("data:1;model:4", "d_ff:model")
+    with strategy.scope():
+        layer = ShardedDense(8, kernel_axes=("d_ff", "d_model"))
+        layer.build((None, 3, 16))
+    x = tf.data.Dataset.from_tensor_slices(np.ones((16, 3, 16), "float32")).batch(16)
+    with recorded(strategy, "all_gather") as gathers, recorded(strategy, "all_to_all") as a2a:
+        batch = next(iter(strategy.experimental_distribute_dataset(x)))
+        strategy.run(tf.function(layer), args=(batch,))
+    assert gathers == []
+    # Each of the 4 replicas: M parts of [b, L, d_in / M] (3/4 of them leave), then the
+    # partial sums' reduce-scatter, M parts of [b, L, d_out].
+    assert sorted(a2a) == [(4, 4, 3, 4)] * 4 + [(4, 4, 3, 8)] * 4

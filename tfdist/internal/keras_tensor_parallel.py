@@ -51,7 +51,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tfdist import collectives, runtime, weight_reads
+from tfdist import collectives, runtime, tensor_parallel, weight_reads
 from tfdist.internal import keras_loop_reads, keras_tp_pairs, keras_variables
 
 
@@ -128,24 +128,6 @@ def _read_slice(variable, axis, dim):
     size = value.shape.as_list()
     size[dim] = width
     return tf.slice(value, begin, size)  # a dense gradient, like the reference's
-
-
-def _column(x, axis, compute, concat_dim):
-    """`compute` on every row of the group, output columns local, columns exchanged back."""
-    x_all = _gathered_rows(x, axis)  # [b*M, ..., d_in]
-    y = compute(x_all)  # [b*M, ..., d_out/M]
-    return collectives.all_to_all(y, axis, split_dim=0, concat_dim=concat_dim)
-
-
-def _row(x, axis, split_dim, compute):
-    """`compute` on this device's input columns of every row, partial sums scattered back.
-
-    Half-precision partial sums are kept in float32 and rounded once after the
-    sum, as one device rounds (`collectives.reduce_scatter_partial_sums`;
-    Keras's ops promote the weight to the input's float32).
-    """
-    x_cols = collectives.all_to_all(x, axis, split_dim=split_dim, concat_dim=0)
-    return collectives.reduce_scatter_partial_sums(compute, [x_cols], axis, dim=0)
 
 
 def _finish(layer, y, whole_bias=True):
@@ -236,7 +218,9 @@ def dense_call(layer, inputs, training=None):
         if pair is not None:  # local columns stay local until the paired row layer
             return pair.hand_over(_finish(layer, compute(_gathered_rows(x, axis)),
                                           whole_bias=False))
-        return _finish(layer, _column(x, axis, compute, concat_dim=dim), whole_bias=False)
+        return _finish(layer, tensor_parallel.column(
+            x, axis, compute, concat_dim=dim,
+            gather_rows=lambda x: _gathered_rows(x, axis)), whole_bias=False)
 
     def compute(cols):
         return _contract(contract, cols, layer.kernel, layout, axis)
@@ -245,7 +229,7 @@ def dense_call(layer, inputs, training=None):
     if pair is not None:  # the paired column layers' local columns, every row of the group
         y = collectives.reduce_scatter_partial_sums(compute, [pair.take(x)], axis, dim=0)
     else:
-        y = _row(x, axis, dim, compute)
+        y = tensor_parallel.row(x, axis, compute, split_dim=dim)
     return _finish(layer, y)
 
 
@@ -358,10 +342,12 @@ def reversible_embedding_call(layer, inputs, reverse=False):
     if axis is None:  # FSDP
         logits = _contract(project, x, weight, layout)
     elif _dim_on(weight, axis) == vocab_dim:
-        logits = _column(x, axis, lambda x_all: _contract(project, x_all, weight, layout, axis),
-                         -1)
+        logits = tensor_parallel.column(
+            x, axis, lambda x_all: _contract(project, x_all, weight, layout, axis),
+            gather_rows=lambda x: _gathered_rows(x, axis))
     else:
-        logits = _row(x, axis, -1, lambda cols: _contract(project, cols, weight, layout, axis))
+        logits = tensor_parallel.row(
+            x, axis, lambda cols: _contract(project, cols, weight, layout, axis))
     if layer.logit_soft_cap is not None:
         cap = layer.logit_soft_cap
         logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, cap)), cap)

@@ -25,7 +25,7 @@ Shapes (b = per-replica batch, M = size of the mesh axis):
 import keras
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import tensor_parallel
 from tfdist.layers.weights import (
     add_sharded_weight,
     check_mesh,
@@ -162,23 +162,12 @@ class ShardedDense(keras.layers.Layer):
         return self.activation(y)
 
     def _column(self, x):
-        axis = self._out_axis
-        x_all = collectives.all_gather(x, axis, dim=0)  # [b*M, ..., d_in]
-        y = self._finish(self._matmul(x_all))  # [b*M, ..., d_out/M]
-        if self.output_sharded:
-            return y
-        return collectives.all_to_all(y, axis, split_dim=0, concat_dim=-1)  # [b, ..., d_out]
+        return tensor_parallel.column(x, self._out_axis, lambda rows: self._finish(self._matmul(rows)),
+                                      output_sharded=self.output_sharded)
 
     def _row(self, x):
-        axis = self._in_axis
-        if not self.input_sharded:
-            x_all = collectives.all_gather(x, axis, dim=0)  # [b*M, ..., d_in]
-            width = x_all.shape[-1] // collectives.axis_size(axis)
-            start = collectives.axis_index(axis) * width
-            x = x_all[..., start : start + width]  # [b*M, ..., d_in/M]
-        # [b*M, ..., d_out] partial sums -> [b, ..., d_out]
-        y = collectives.reduce_scatter_partial_sums(
-            _contract, [x, tf.convert_to_tensor(self.kernel)], axis, dim=0)
+        y = tensor_parallel.row(x, self._in_axis, _contract, input_sharded=self.input_sharded,
+                                operands=[tf.convert_to_tensor(self.kernel)])
         return self._finish(y)
 
     def compute_output_shape(self, input_shape):
