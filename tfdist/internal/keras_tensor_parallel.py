@@ -279,44 +279,21 @@ def embedding_call(layer, inputs):
         out = _contract(lambda ids, table: keras.ops.take(table, ids, axis=0), ids,
                         layer.embeddings, layout, lookup=True)
         return tf.cast(out, layer.compute_dtype)
-    ids_all = collectives.all_gather(ids, axis, dim=0)  # [b*M, ...]
     if _dim_on(layer.embeddings, axis) == 0:  # vocabulary split: [V/M, d]
 
         def lookup(ids_all, table):
             rows = table.shape[0]
             local = ids_all - tf.cast(collectives.axis_index(axis) * rows, ids_all.dtype)
-            return _held_rows(table, local)  # [b*M, ..., d], zero for other shards' ids
+            return tensor_parallel.held_rows(table, local)  # zero for other shards' ids
 
-        found = _contract(lookup, ids_all, layer.embeddings, layout, axis)
-        out = collectives.reduce_scatter(found, axis, dim=0)  # [b, ..., d]
+        out = tensor_parallel.vocab_split(ids, axis, lambda ids_all: _contract(
+            lookup, ids_all, layer.embeddings, layout, axis))  # [b, ..., d]
     else:  # features split: [V, d/M]
+        ids_all = collectives.all_gather(ids, axis, dim=0)  # [b*M, ...]
         found = _contract(lambda ids_all, table: tf.gather(table, ids_all), ids_all,
                           layer.embeddings, layout, axis)
         out = collectives.all_to_all(found, axis, split_dim=0, concat_dim=-1)
     return tf.cast(out, layer.compute_dtype)
-
-
-def _held_rows(table, local):
-    """Rows `local` of `table` [rows, d], zero where `local` is outside it.
-
-    Its gradient is sparse over the held rows only (other ids are padding,
-    index -1, dropped before the optimizer), as one device's `tf.gather` is.
-    """
-    held = (local >= 0) & (local < table.shape[0])
-    safe = tf.where(held, local, tf.zeros_like(local))
-    mask = tf.cast(held, table.dtype)[..., tf.newaxis]
-
-    @tf.custom_gradient
-    def lookup(table):
-        def grad(dy):
-            indices = tf.reshape(tf.where(held, local, -tf.ones_like(local)), [-1])
-            values = tf.reshape(dy * mask, [-1, table.shape[-1]])
-            return tf.IndexedSlices(values, tf.cast(indices, tf.int64),
-                                    tf.constant(table.shape.as_list(), tf.int64))
-
-        return tf.gather(table, safe) * mask, grad
-
-    return lookup(table)
 
 
 def reversible_embedding_call(layer, inputs, reverse=False):

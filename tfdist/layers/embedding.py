@@ -15,7 +15,7 @@ never sees IndexedSlices.
 import keras
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import collectives, tensor_parallel
 from tfdist.layers.weights import (
     add_sharded_weight,
     check_mesh,
@@ -109,13 +109,9 @@ class ShardedEmbedding(keras.layers.Layer):
         axis = self._vocab_axis
         if axis is None:
             return dense_gather(self.embeddings, ids)
-        all_ids = collectives.all_gather(ids, axis, dim=0)  # [b*M, ...]
-        rows = self.input_dim // collectives.axis_size(axis)
-        local = all_ids - collectives.axis_index(axis) * rows
-        owned = tf.logical_and(local >= 0, local < rows)
-        found = dense_gather(self.embeddings, tf.where(owned, local, 0))  # [b*M, ..., d]
-        partial = found * tf.cast(owned, found.dtype)[..., tf.newaxis]
-        return collectives.reduce_scatter(partial, axis, dim=0)  # [b, ..., d]
+        first = collectives.axis_index(axis) * (self.input_dim // collectives.axis_size(axis))
+        return tensor_parallel.vocab_split(ids, axis, lambda ids_all: tensor_parallel.held_rows(
+            self.embeddings, ids_all - first, dense_gradient=True))  # [b, ..., d]
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.output_dim,)
