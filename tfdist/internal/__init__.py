@@ -41,6 +41,10 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
   when any overflowed.
 - `sources`: the sha256 of an upstream function's installed source, which a hook
   mirroring it checks before it runs.
+- `hooks`: the table of every upstream function and class attribute tfdist
+  replaces, overrides, sets or mirrors, with its fingerprint at the supported
+  versions; every strategy checks it when created (`hooks.verify`), and
+  `python -m tfdist.check` prints it (`docs/upstream_hooks.md`).
 - `keras_h5_slices`: Keras weight files read slice by slice into sharded variables.
 - `keras_loop_reads`: split weights read inside a loop of a Keras call (an RNN's
   cell, `keras.ops.while_loop`) read once before the loop; tfdist collectives
