@@ -142,3 +142,12 @@ def test_padded_layout_rounds_up_split_dimensions():
     assert not mesh.tensor_layout(("d_model", "classes"), (3, 1000), pad=True).is_padded
     with pytest.raises(ValueError, match="size 1001 does not divide"):
         mesh.tensor_layout(("d_model", "classes"), (3, 1001))
+
+
+def test_mesh_and_mesh_shape_agree_on_axis_sizes():
+    mesh = Mesh.parse("data:2;model:4", "batch:data;d_ff:model")
+    for sizes in (mesh, mesh.shape):
+        assert sizes.axis_size("model") == 4 and sizes.axis_size(None) == 1
+        with pytest.raises(ValueError, match=r"Unknown mesh axis 'stage': mesh .* has axes "
+                                             r"\['data', 'model'\]"):
+            sizes.axis_size("stage")

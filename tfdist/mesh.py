@@ -145,7 +145,14 @@ class MeshShape:
         """The number of devices in the mesh."""
         return math.prod(self.sizes)
 
-    def axis_size(self, name: str) -> int:
+    def axis_size(self, name: Optional[str]) -> int:
+        """Size of mesh axis `name`; 1 for None (a dimension no axis splits).
+
+        Raises:
+            ValueError: `name` is not an axis of this mesh.
+        """
+        if name is None:
+            return 1
         return dict(self.axes)[self._known(name)]
 
     def _known(self, name: str) -> str:
@@ -391,9 +398,8 @@ class Mesh:
         return self.shape.size
 
     def axis_size(self, name: Optional[str]) -> int:
-        """Size of mesh axis `name`; 1 for None or an axis this mesh lacks."""
-        if name is None or name not in self.shape.names:
-            return 1
+        """Size of mesh axis `name`, as `MeshShape.axis_size`: 1 for None, and a
+        `ValueError` for an axis this mesh lacks."""
         return self.shape.axis_size(name)
 
     def mesh_axis(self, logical_axis: Optional[str]) -> Optional[str]:
