@@ -39,7 +39,7 @@ def job(args):
     from tfdist.testing.memory import reset_peak_rss, status_mib
     import tfdist
 
-    tfdist.testing.split_cpu(2)
+    tfdist.split_cpu(2)
     import keras
     import numpy as np
 

@@ -23,7 +23,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tfdist.testing.devices import split_cpu  # noqa: E402
+from tfdist.devices import split_cpu  # noqa: E402
 
 split_cpu(4)
 

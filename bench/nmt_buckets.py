@@ -119,7 +119,7 @@ def main():
     if args.quick:
         args.rounds, args.steps, args.num_train = 2, 3, 3000
 
-    from tfdist.testing.devices import split_cpu
+    from tfdist.devices import split_cpu
 
     split_cpu(4)
     import keras

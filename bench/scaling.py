@@ -177,7 +177,7 @@ def job(args):
 
 def in_process(steps):
     """MeshStrategy("data:2") vs MirroredStrategy on 2 virtual CPUs of this process."""
-    from tfdist.testing.devices import split_cpu
+    from tfdist.devices import split_cpu
 
     split_cpu(2)
     import tensorflow as tf

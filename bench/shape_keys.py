@@ -41,7 +41,7 @@ def main():
     parser.add_argument("--blocks", type=int, default=10)
     args = parser.parse_args()
 
-    from tfdist.testing.devices import split_cpu
+    from tfdist.devices import split_cpu
 
     split_cpu(4)
     import numpy as np

@@ -23,7 +23,7 @@ parser.add_argument("--batch_size", type=int, default=64)
 parser.add_argument("--hidden", type=int, default=256)
 args = parser.parse_args()
 data_size, model_size = (int(n) for n in args.mesh.split(","))
-tfdist.testing.split_cpu(data_size * model_size)  # virtual CPU devices, before TF starts
+tfdist.split_cpu(data_size * model_size)  # virtual CPU devices, before TF starts
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -26,7 +26,7 @@ parser.add_argument("--examples", type=int, default=512)
 parser.add_argument("--sequence_length", type=int, default=32)
 args = parser.parse_args()
 batch_size, model_size = (int(n) for n in args.mesh.split(","))
-tfdist.testing.split_cpu(batch_size * model_size)
+tfdist.split_cpu(batch_size * model_size)
 
 import keras  # noqa: E402
 import keras_hub  # noqa: E402

@@ -24,7 +24,7 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--batch_size", type=int, default=256)
 parser.add_argument("--sample_rate", type=float, default=1.0)
 args = parser.parse_args()
-tfdist.testing.split_cpu(args.devices)
+tfdist.split_cpu(args.devices)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -59,7 +59,7 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     mesh = config.mesh.mesh()
 
-    from tfdist.testing.devices import split_cpu
+    from tfdist.devices import split_cpu
 
     split_cpu(max(mesh.size, 1))
     import keras

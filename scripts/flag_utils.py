@@ -91,7 +91,7 @@ def strategy_from_flags(mesh):
             os.environ["TF_CONFIG"] = cluster.to_tf_config()
         return get_strategy("multi_worker", communication=FLAGS.communication)
     if cluster is None:
-        from tfdist.testing.devices import split_cpu
+        from tfdist.devices import split_cpu
 
         split_cpu(mesh.size)
         return get_strategy("mesh", mesh_shape=mesh)

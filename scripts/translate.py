@@ -81,7 +81,7 @@ def main(argv):
     from tfdist.models import Transformer, TransformerConfig
     from tfdist.models.nmt_eval import translate_texts
     from tfdist.strategies import get_strategy
-    from tfdist.testing.devices import split_cpu
+    from tfdist.devices import split_cpu
 
     tokenizer = load_tokenizer(os.path.join(FLAGS.model_dir, "spm.model"))
     if mesh.size > 1:

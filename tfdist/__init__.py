@@ -54,6 +54,8 @@ _EXPORTS = {
     "build_token_mlp": "tfdist.models",
     # activation recomputation
     "remat": "tfdist.recompute",
+    # virtual CPU devices (a laptop, tests, demos)
+    "split_cpu": "tfdist.devices",
 }
 
 # `from tfdist import *` gives everything but HorovodStrategy (it needs a Horovod build).

@@ -211,7 +211,7 @@ class ClusterConfig:
         """
         import tensorflow as tf
 
-        from tfdist.testing.devices import split_cpu
+        from tfdist.devices import split_cpu
 
         devices_per_worker = devices_per_worker or devices_per_worker_from_env()
         if devices_per_worker > 1:

@@ -49,7 +49,7 @@ def resolve_devices(mesh: Mesh, devices: Union[None, str, Sequence[str]] = None)
         raise ValueError(
             f"Mesh shape {mesh.shape} needs {mesh.size} devices but found "
             f"{len(cpus)} CPU devices: use a smaller mesh, "
-            f"or split the CPU with tfdist.testing.split_cpu({mesh.size}) (or "
+            f"or split the CPU with tfdist.split_cpu({mesh.size}) (or "
             f"tf.config.set_logical_device_configuration) before TensorFlow "
             f"initialises its devices."
         )

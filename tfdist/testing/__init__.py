@@ -1,3 +1,3 @@
 """Single-device references, equivalence checks and virtual devices for tests."""
 
-from tfdist.testing.devices import split_cpu  # noqa: F401
+from tfdist.devices import split_cpu  # noqa: F401

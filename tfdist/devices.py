@@ -1,4 +1,9 @@
-"""Virtual devices for tests and demos on one CPU."""
+"""Virtual devices: one CPU split into several logical devices.
+
+For a mesh on a laptop, in tests and in demos: `tfdist.split_cpu(4)` before
+TensorFlow starts gives four CPU devices a strategy can place replicas on
+(they share the machine's cores).
+"""
 
 import tensorflow as tf
 
@@ -25,5 +30,5 @@ def split_cpu(num_devices: int = 8) -> None:
             return
         raise RuntimeError(
             f"Cannot split the CPU into {num_devices} devices: TensorFlow has "
-            f"already initialised {have}. Call split_cpu before any TF op runs."
+            f"already initialised {have}. Call tfdist.split_cpu before any TF op runs."
         ) from e
