@@ -638,7 +638,10 @@ class ShardRouting:
         """Sums each gradient over the replicas its variable needs; the data path.
 
         Called in cross-replica context (a merge call) with every replica's
-        gradient of each variable. Returns the reduced gradients in order:
+        gradient of each variable (eagerly, from a custom loop's `strategy.run`,
+        summed on each device without collectives; a tensor that is the same in
+        every replica taken as the global gradient, as MirroredStrategy takes
+        it). Returns the reduced gradients in order:
         `Mirrored` for replicated variables, `PerReplica` shards for sharded
         ones; clipped by `clipping` (a `tfdist.clipping.Clipping`) on the
         reduced, global gradient.
@@ -646,18 +649,33 @@ class ShardRouting:
         grads_and_vars = list(grads_and_vars)
         n_local = len(self._devices)
         everyone = tuple(range(self.mesh.size))
+        # Eagerly (a custom loop's `strategy.run` outside tf.function) the replicas ran
+        # one after another and their gradients are all here: summed on each device
+        # without collectives, which would wait for peers that never come.
+        eager = tf.executing_eagerly() and n_local > 1
         # Per local replica: {group: [positions]} in variable order, last layer first
         # so that the first fused bucket is ready first in the backward pass.
         plan = [dict() for _ in range(n_local)]
         sparse = []  # IndexedSlices: gathered over the weight's owners, kept sparse
+        global_already = []  # one tensor for every replica: already the global gradient
         routed = self._routed_set()
         components = []
         for k, (grad, var) in enumerate(grads_and_vars):
             parts = self._components(grad)
-            if parts is None:
+            if parts is None and not isinstance(var, ShardedVariable):
+                # The same tensor in every replica (made outside `strategy.run`):
+                # MirroredStrategy applies it as it is, once, and so does tfdist.
+                components.append((grad,) * n_local)
+                global_already.append(k)
+                continue
+            if parts is None or (eager and isinstance(var, ShardedVariable)):
                 raise ValueError(
-                    f"tfdist expected one gradient per replica for {var.name!r}; "
-                    f"received {grad!r}.")
+                    f"tfdist expected one gradient per replica for {var.name!r}; received "
+                    f"{grad!r}." if parts is None else
+                    f"Sharded variable {var.name!r} (layout {var.layout}) gets its "
+                    f"gradient in an eager `strategy.run`: its shards' gradients are "
+                    f"summed by collectives, which run inside tf.function only. Wrap the "
+                    f"step in tf.function.")
             components.append(parts)
             if isinstance(var, ShardedVariable):
                 routed.add(id(var))
@@ -676,6 +694,19 @@ class ShardRouting:
         for i in range(n_local):
             index = self.mesh_device_index(i)
             with tf.device(self._devices[i]):
+                for k in global_already:
+                    reduced[k][i] = tf.identity(components[k][i])
+                if eager:
+                    for k in sparse:
+                        parts = components[k]
+                        reduced[k][i] = _drop_padding(tf.IndexedSlices(
+                            tf.concat([p.values for p in parts], 0),
+                            tf.concat([p.indices for p in parts], 0), parts[0].dense_shape))
+                    for positions in plan[i].values():
+                        for k in positions:
+                            reduced[k][i] = tf.add_n([_dense(p, grads_and_vars[k][1], j)
+                                                      for j, p in enumerate(components[k])])
+                    continue
                 for k in sparse:
                     var = grads_and_vars[k][1]
                     group = everyone
