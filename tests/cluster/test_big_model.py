@@ -20,7 +20,7 @@ import pytest
 from tfdist.testing.memory import RSS_FOLLOWS_TENSORS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, "tests", "cluster", "big_model_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "big_model_job.py")
 sys.path.insert(0, os.path.dirname(JOB))
 from big_model_job import model_bytes  # noqa: E402
 

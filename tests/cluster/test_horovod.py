@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, "tests", "cluster", "hvd_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "hvd_job.py")
 # horovod: tests/conftest.py runs these last, once the Horovod build is there.
 pytestmark = [pytest.mark.slow, pytest.mark.horovod]
 
@@ -118,7 +118,7 @@ def test_adasum_without_mpi_is_a_clear_error():
         HorovodStrategy(reduction="adasum")
 
 
-MESH_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_mesh_job.py")
+MESH_JOB = os.path.join(ROOT, "tests", "jobs", "hvd_mesh_job.py")
 
 
 def mesh_run(np_, mesh, models, timeout=400):
@@ -184,7 +184,7 @@ def test_train_xc_over_horovod_ranks_one_shard_each(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["backup", "config.json", "logs", "model.npz"]
 
 
-KERAS_HUB_JOB = os.path.join(ROOT, "tests", "cluster", "hvd_keras_hub_job.py")
+KERAS_HUB_JOB = os.path.join(ROOT, "tests", "jobs", "hvd_keras_hub_job.py")
 
 
 # 1x2: tensor parallel over the ranks. ("2x1", FSDP over the ranks, passes too: weights

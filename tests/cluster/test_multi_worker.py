@@ -12,7 +12,7 @@ import pytest
 from tfdist.launch.local import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, "tests", "cluster", "mw_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "mw_job.py")
 
 pytestmark = pytest.mark.slow
 

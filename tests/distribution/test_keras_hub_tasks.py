@@ -4,7 +4,7 @@ A `GemmaCausalLM` with its `GemmaCausalLMPreprocessor` (a `GemmaTokenizer`
 on a SentencePiece model trained here) runs `fit`, `evaluate`, `predict` and
 greedy `generate` on raw strings, keras-hub mapping the preprocessor over the
 tf.data pipeline that tfdist distributes, and gives one device's losses,
-weights, outputs and text. tests/cluster/job_cases.py runs the same
+weights, outputs and text. tests/jobs/job_cases.py runs the same
 comparison over two worker processes (`keras_hub_causal_lm`).
 """
 

@@ -1,6 +1,6 @@
 """A job for tests/cluster: a keras-hub Gemma backbone, its own layout map, over Horovod ranks.
 
-    horovodrun -np 2 --gloo -H localhost:2 python tests/cluster/hvd_keras_hub_job.py SHAPE
+    horovodrun -np 2 --gloo -H localhost:2 python tests/jobs/hvd_keras_hub_job.py SHAPE
 
 Builds `HorovodStrategy(layout_map=GemmaBackbone.get_layout_map(mesh))` over
 a `DeviceMesh` of SHAPE ("1x2": tensor parallel over the ranks, "2x1": FSDP)

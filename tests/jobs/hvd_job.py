@@ -1,6 +1,6 @@
 """A job for tests/cluster: Keras fit/evaluate under HorovodStrategy.
 
-    horovodrun -np 2 --gloo -H localhost:2 python tests/cluster/hvd_job.py [--compression fp16]
+    horovodrun -np 2 --gloo -H localhost:2 python tests/jobs/hvd_job.py [--compression fp16]
 
 Trains the same model as a one-process reference on the same global batches
 (30 Adam steps) and prints, per rank, the largest relative weight difference,

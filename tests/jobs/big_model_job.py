@@ -1,8 +1,8 @@
 """A job for tests/cluster/test_big_model.py: a model too big for one capped process.
 
     python -m tfdist.launch --num_workers N --pin_cores -- \\
-        tests/cluster/big_model_job.py MODE [SHAPE] [CHECKPOINT]
-    python tests/cluster/big_model_job.py single
+        tests/jobs/big_model_job.py MODE [SHAPE] [CHECKPOINT]
+    python tests/jobs/big_model_job.py single
 
 Every mode first builds and trains a tiny backbone (hidden size 8) the same
 way: each process's peak address space (`VmPeak`) then, with every thread and

@@ -1,6 +1,6 @@
 """A job for tests/cluster: tfdist's sharded layers on a mesh over Horovod ranks.
 
-    horovodrun -np N --gloo -H localhost:N python tests/cluster/hvd_mesh_job.py MESH [MODELS]
+    horovodrun -np N --gloo -H localhost:N python tests/jobs/hvd_mesh_job.py MESH [MODELS]
 
 Builds `HorovodStrategy(MESH, layout)` (rank r = mesh device r) and, for each
 model (token_mlp: ShardedEmbedding + column/row ShardedDense; xc_head:

@@ -1,6 +1,6 @@
 """A job for tests/cluster: equivalence of a mesh over worker processes.
 
-Run in every task (python -m tfdist.launch ... -- tests/cluster/mesh_job.py
+Run in every task (python -m tfdist.launch ... -- tests/jobs/mesh_job.py
 MESH [CASES]); the controller builds MeshStrategy(MESH) over the devices of all tasks,
 runs the `job_cases` named in CASES (comma-separated; by default the token MLP,
 the XC head and the plain embedding) against their single-device references,

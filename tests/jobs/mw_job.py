@@ -1,7 +1,7 @@
 """A job for tests/cluster: Keras fit/evaluate/predict under multi-worker data parallelism.
 
 Run in every task with a TF_CONFIG (python -m tfdist.launch --num_workers 2 --
-tests/cluster/mw_job.py [--plain] [--remat] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
+tests/jobs/mw_job.py [--plain] [--remat] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
 same small model as a single-process reference on the same global batches
 and prints the largest weight difference. The data are partial batches: 37
 rows in batches of 8 (the last 5 rows split unevenly over the workers) with
