@@ -115,7 +115,7 @@ def test_shards_of_a_padded_layout_are_the_split_value_with_zero_padding():
     """`keras_variables.shard_maker`: one seed per variable, each device's box, and the
     padding of a layout whose split dimension does not divide (tfdist's class axis)."""
     from tfdist.internal.keras_variables import shard_maker
-    from tfdist.internal.mesh_extended import split_global
+    from tfdist.core.shards import split_global
     from tfdist.mesh import Mesh
 
     layout = Mesh.parse("data:2;model:4", "d_model:data;classes:model").tensor_layout(

@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy, values
 
-from tfdist.internal.mesh_extended import ShardedVariable, assemble_global
+from tfdist.core.shards import assemble_global
+from tfdist.internal.mesh_extended import ShardedVariable
 from tfdist.layers import add_sharded_weight
 from tfdist.mesh import Mesh
 from tfdist.strategies import MeshStrategy

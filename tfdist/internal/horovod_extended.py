@@ -46,7 +46,8 @@ from tensorflow.python.distribute import values
 
 from tfdist.internal.even_steps import counted_keras_step
 from tfdist.internal.keras_steps import is_keras_predict_step
-from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting, assemble_global
+from tfdist.core.shards import assemble_global
+from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting
 
 
 class HorovodShardedVariable(ShardedVariable):

@@ -369,8 +369,8 @@ def _dispatcher(original, tensor_parallel, serves):
 
 def install() -> None:
     """Replaces the registry's `call` methods by dispatchers (idempotent)."""
-    for cls, tensor_parallel, serves in _registry():
+    for cls, shard_wise_call, serves in _registry():
         current = cls.__dict__["call"]
         if getattr(current, "_tfdist_original", None) is None:
-            cls.call = _dispatcher(current, tensor_parallel, serves)
+            cls.call = _dispatcher(current, shard_wise_call, serves)
     keras_tp_pairs.install(pairing_plan)

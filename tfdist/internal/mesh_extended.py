@@ -31,7 +31,6 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
 """
 
 import contextlib
-import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -49,32 +48,9 @@ from tfdist.clipping import clip_global
 from tfdist.internal import keras_h5_slices, keras_loop_reads, keras_variables
 from tfdist.internal import single_controller
 from tfdist.internal.even_steps import even_keras_step
+from tfdist.core.shards import LAYOUT_KWARG, assemble_global, split_global
+from tfdist.core.zero import KeptWhole, own_slice, reduction_groups, whole_gradient
 from tfdist.mesh import TensorLayout
-
-LAYOUT_KWARG = "tfdist_layout"
-"""Variable-creator keyword that carries a weight's `TensorLayout` to the strategy."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptWhole:
-    """ZeRO-1/2's whole copy of a weight stored split over the batch axis.
-
-    The weight (and so its optimizer slots and gradient) is stored split over
-    `axis` on dimension `dim` (`layout`); `copy` holds it gathered over `axis`
-    on every device, laid out like the `LayoutMap` lays it out (`base`: None
-    or a layout over other axes), and is what replicas read. tfdist refreshes
-    it after every optimizer step and every assignment of the weight.
-    """
-
-    copy: tf.Variable
-    base: Optional[TensorLayout]
-    axis: str
-    dim: int
-    whole_gradient: bool = False
-    """ZeRO-1: replicas hand the strategy the weight's whole local gradient, which
-    `ShardRouting.reduce_gradients` all-reduces (fused with the replicated weights')
-    and then slices; ZeRO-2 (False): reduce-scattered in the backward pass."""
-
 
 class ShardedVariable(values.MirroredVariable):
     """A distributed variable whose component `i` is shard `i` of a global tensor.
@@ -246,37 +222,6 @@ def refresh_kept_in_replica(variables) -> None:
             offset += size
 
 
-def assemble_global(layout: TensorLayout, shards):
-    """Concatenates per-device shards (indexed by device) into the global tensor.
-
-    Padding (see `TensorLayout.padded_shape`) is cut off.
-    """
-    mesh = layout.mesh_shape
-    split = [(dim, axis) for dim, axis in enumerate(layout.mesh_axes) if axis in layout.sharded_mesh_axes]
-
-    def build(level, coords):
-        if level == len(split):
-            full = {n: coords.get(n, 0) for n in mesh.names}
-            return shards[mesh.device_index(full)]
-        dim, axis = split[level]
-        return tf.concat(
-            [build(level + 1, {**coords, axis: k}) for k in range(mesh.axis_size(axis))],
-            axis=dim,
-        )
-
-    full = build(0, {})
-    if layout.is_padded:
-        full = full[tuple(slice(0, n) for n in layout.shape)]
-    return full
-
-
-def split_global(layout: TensorLayout, value):
-    """Splits a global value into per-device shards (zero-padded where the layout pads)."""
-    if layout.is_padded:
-        value = tf.pad(value, [[0, p - n] for n, p in zip(layout.shape, layout.padded_shape)])
-    return [value[layout.shard_slices(i)] for i in range(layout.mesh_shape.size)]
-
-
 def replica_tensors(structure):
     """Every tensor in `structure`, each distributed value's components in replica order."""
     out = []
@@ -301,47 +246,6 @@ def _drop_padding(slices):
                             tf.boolean_mask(slices.indices, keep), slices.dense_shape)
 
 
-def _whole_gradient(var) -> bool:
-    kept = getattr(var, "_tfdist_kept", None)
-    return kept is not None and kept.whole_gradient
-
-
-def _reduction_groups(var, everyone):
-    """The device groups a sharded variable's gradient is summed over.
-
-    A shard's owners; for a ZeRO-1 weight, whose replicas hand over their whole
-    gradients, the owners of the `LayoutMap`'s own layout (all devices when it
-    is replicated): the sum is then cut to each device's shard (`_own_slice`).
-    """
-    if not _whole_gradient(var):
-        return var.layout.shard_owner_groups()
-    base = var._tfdist_kept.base
-    return base.shard_owner_groups() if base is not None else [everyone]
-
-
-def _own_slice(reduced, var, index):
-    """A ZeRO-1 weight's reduced whole gradient cut to device `index`'s shard; else as is.
-
-    A sparse one (`IndexedSlices` rows, a Keras `Embedding`) stays sparse, as
-    Keras's optimizers need it: split rows keep the entries of this device's
-    rows, renumbered; split columns keep this device's columns of each entry.
-    """
-    if not _whole_gradient(var):
-        return reduced
-    dim = var._tfdist_kept.dim  # split over the batch axis only: global = whole-local
-    own = var.layout.shard_slices(index)[dim]
-    if not isinstance(reduced, tf.IndexedSlices):
-        return reduced[(slice(None),) * dim + (own,)]
-    dense_shape = tf.constant(var.layout.local_shape, reduced.dense_shape.dtype)
-    if dim > 0:
-        return tf.IndexedSlices(reduced.values[(slice(None),) * dim + (own,)],
-                                reduced.indices, dense_shape)
-    local = reduced.indices - tf.cast(own.start, reduced.indices.dtype)
-    held = (local >= 0) & (local < own.stop - own.start)
-    return tf.IndexedSlices(tf.boolean_mask(reduced.values, held), tf.boolean_mask(local, held),
-                            dense_shape)
-
-
 def _dense(value, var, i):
     """A gradient as a dense tensor of component `i` of `var`'s static shape.
 
@@ -353,7 +257,7 @@ def _dense(value, var, i):
     """
     value = tf.convert_to_tensor(value)
     shape = (var.values[i] if isinstance(var, values.DistributedValues) else var).shape
-    if _whole_gradient(var):  # ZeRO-1: the whole gradient, the map's layout's shape
+    if whole_gradient(var):  # ZeRO-1: the whole gradient, the map's layout's shape
         shape = var._tfdist_kept.copy.values[i].shape
     if not value.shape.is_fully_defined():
         value = tf.ensure_shape(value, shape)
@@ -679,7 +583,7 @@ class ShardRouting:
             components.append(parts)
             if isinstance(var, ShardedVariable):
                 routed.add(id(var))
-                groups = _reduction_groups(var, everyone)
+                groups = reduction_groups(var, everyone)
             if all(isinstance(c, tf.IndexedSlices) for c in parts):
                 sparse.append(k)
                 continue
@@ -711,15 +615,15 @@ class ShardRouting:
                     var = grads_and_vars[k][1]
                     group = everyone
                     if isinstance(var, ShardedVariable):
-                        group = next(g for g in _reduction_groups(var, everyone) if index in g)
-                    reduced[k][i] = _own_slice(_drop_padding(
+                        group = next(g for g in reduction_groups(var, everyone) if index in g)
+                    reduced[k][i] = own_slice(_drop_padding(
                         self._gather_slices(components[k][i], index, tuple(group))), var, index)
                 for group, positions in plan[i].items():
                     positions = positions[::-1]
                     dense = [_dense(components[k][i], grads_and_vars[k][1], i)
                              for k in positions]
                     for k, r in zip(positions, self.backend.batch_all_reduce(dense, index, group)):
-                        reduced[k][i] = _own_slice(r, grads_and_vars[k][1], index)
+                        reduced[k][i] = own_slice(r, grads_and_vars[k][1], index)
         if clipping is not None and clipping.active:
             self._clip(clipping, reduced, [v for _, v in grads_and_vars])
         return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))

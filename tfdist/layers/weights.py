@@ -7,7 +7,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist import collectives, runtime
-from tfdist.internal.mesh_extended import LAYOUT_KWARG
+from tfdist.core.shards import LAYOUT_KWARG
 from tfdist.mesh import TensorLayout
 
 

@@ -1,0 +1,7 @@
+"""tfdist's engine, out of the quarantine: what it does with sharded weights,
+written against public TF only (`tfdist.internal` keeps the code that touches
+private TF / Keras / keras-hub APIs and calls into here).
+
+- `shards`: a layout's shards assembled into the global tensor and split from it.
+- `zero`: ZeRO-1/2's kept whole copy, and a ZeRO-1 gradient's groups and slice.
+"""
