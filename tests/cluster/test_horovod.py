@@ -207,3 +207,15 @@ def test_a_keras_hub_backbone_with_its_layout_map_over_ranks_matches_one_process
         assert int(whole) == 0 and int(sharded) > 0, (sharded, whole)
         print(f"gemma {shape} over 2 ranks: {report}; {held} of {total} bytes per rank; "
               f"{whole} of {sharded} sharded variables broadcast whole")
+
+
+def test_a_keras_hub_task_on_raw_strings_over_ranks_matches_one_process():
+    """GemmaCausalLM with its tokenizer: fit/evaluate/predict/generate on raw strings,
+    its layout map over 2 ranks (1x2), equal to one process, the same greedy text."""
+    runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+    result = subprocess.run([runner, "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
+                             KERAS_HUB_JOB, "1x2", "task"], capture_output=True, text=True,
+                            timeout=400, cwd=ROOT, env=rank_env())
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    ranks = re.findall(r"rank (\d) causal_lm 1x2: (.*)", result.stdout)
+    assert sorted(int(r) for r, _ in ranks) == [0, 1], result.stdout[-2000:]

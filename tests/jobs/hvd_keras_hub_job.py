@@ -1,12 +1,14 @@
 """A job for tests/cluster: a keras-hub Gemma backbone, its own layout map, over Horovod ranks.
 
-    horovodrun -np 2 --gloo -H localhost:2 python tests/jobs/hvd_keras_hub_job.py SHAPE
+    horovodrun -np 2 --gloo -H localhost:2 python tests/jobs/hvd_keras_hub_job.py SHAPE [task]
 
 Builds `HorovodStrategy(layout_map=GemmaBackbone.get_layout_map(mesh))` over
 a `DeviceMesh` of SHAPE ("1x2": tensor parallel over the ranks, "2x1": FSDP)
 and compares the unmodified backbone's forward, loss, gradients, weights and
 Adam slots after 10 steps with one process, printing one report line per rank
-with the bytes of weights and slots this rank holds.
+with the bytes of weights and slots this rank holds. With `task`: a
+`GemmaCausalLM` with its preprocessor on raw strings instead (`fit`,
+`evaluate`, `predict`, greedy `generate`; tests/distribution/test_keras_hub_tasks.py).
 """
 
 import os
@@ -28,6 +30,13 @@ import keras_hub  # noqa: E402
 
 strategy = HorovodStrategy(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
                            batch_dim_name="batch")
+
+if sys.argv[2:] == ["task"]:
+    import test_keras_hub_tasks as tasks  # noqa: E402
+
+    report = tasks.assert_matches_one_device(strategy, tasks.run_reference())
+    print(f"rank {strategy.rank} causal_lm {sys.argv[1]}: {report}", flush=True)
+    sys.exit(0)
 
 import numpy as np  # noqa: E402
 from test_keras_hub import LENGTH, VOCAB, language_model  # noqa: E402
