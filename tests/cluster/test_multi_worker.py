@@ -57,6 +57,14 @@ def test_fit_evaluate_predict_match_one_process_on_every_worker():
     print(result.stdout.splitlines()[-1])
 
 
+def test_a_keras_hub_task_on_raw_strings_matches_one_process_on_every_worker():
+    """GemmaCausalLM with its tokenizer, data parallel over 2 workers: fit/evaluate/predict
+    and greedy generate on raw strings equal one process (asserted in each task)."""
+    result = launch("--keras_hub_task")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert sorted(re.findall(r"task (\d) causal_lm: ", result.stdout)) == ["0", "1"]
+
+
 def test_killed_and_restarted_run_ends_like_an_uninterrupted_one(tmp_path):
     killed = launch("--backup", str(tmp_path), "--die_at_epoch", "2")
     assert killed.returncode == 17, killed.stdout[-2000:]

@@ -1,7 +1,8 @@
 """A job for tests/cluster: Keras fit/evaluate/predict under multi-worker data parallelism.
 
 Run in every task with a TF_CONFIG (python -m tfdist.launch --num_workers 2 --
-tests/jobs/mw_job.py [--plain] [--remat] [--backup DIR --die_at_epoch E [--die_task T]]). Trains the
+tests/jobs/mw_job.py [--plain] [--remat] [--keras_hub_task] [--backup DIR --die_at_epoch E
+[--die_task T]]). Trains the
 same small model as a single-process reference on the same global batches
 and prints the largest weight difference. The data are partial batches: 37
 rows in batches of 8 (the last 5 rows split unevenly over the workers) with
@@ -23,6 +24,9 @@ parser.add_argument("--backup", default="")
 parser.add_argument("--die_at_epoch", type=int, default=-1)
 parser.add_argument("--die_task", type=int, default=-1, help="Only this task dies (-1: all).")
 parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--keras_hub_task", action="store_true",
+                    help="Instead: a keras-hub GemmaCausalLM with its tokenizer on raw strings "
+                         "(tests/distribution/test_keras_hub_tasks.py) against one process.")
 parser.add_argument("--remat", action="store_true",
                     help="The distributed model recomputes its layers (keras.RematScope); the "
                          "reference keeps activations.")
@@ -38,6 +42,14 @@ from tfdist.strategies import MultiWorkerStrategy  # noqa: E402
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy() if args.plain else MultiWorkerStrategy()
 task = strategy.cluster_resolver.task_id
+if args.keras_hub_task:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "distribution"))
+    import test_keras_hub_tasks as tasks  # noqa: E402
+
+    report = tasks.assert_matches_one_device(strategy, tasks.run_reference())
+    print(f"task {task} causal_lm: {report}", flush=True)
+    sys.exit(0)
 rng = np.random.default_rng(0)
 ROWS, BATCH = 37, 8
 x = rng.normal(size=(ROWS, 8)).astype("float32")
