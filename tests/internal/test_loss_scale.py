@@ -36,10 +36,11 @@ def _train(strategy=None):
     return model
 
 
-def test_the_keras_hook_still_exists():
-    MeshStrategy("data:2")  # every tfdist mesh strategy installs it
-    assert loss_scale.installed()
-    assert loss_scale._KERAS_CHECK_FINITE.__qualname__ == "LossScaleOptimizer.check_finite"
+def test_the_seam_sets_the_global_check_on_the_optimizer_not_its_class(mixed_float16):
+    with MeshStrategy("data:2").scope():
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    assert optimizer.check_finite.__func__ is loss_scale.check_finite
+    assert "check_finite" not in vars(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
 
 
 def test_an_overflow_on_one_replica_skips_the_step_everywhere(mixed_float16):

@@ -137,21 +137,6 @@ def test_keras_optimizer_routes_each_gradient_by_its_variable():
     np.testing.assert_allclose(block.b.numpy(), np.full(3, -10.0))  # 1 + 2 + 3 + 4
 
 
-def test_the_keras_hook_tfdist_routes_at_still_exists():
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer
-
-    from tfdist.internal import optimizer_gradients
-
-    MeshStrategy("data:2")  # every tfdist mesh strategy installs the hook
-    assert optimizer_gradients.installed()
-    assert optimizer_gradients._KERAS_ALL_REDUCE.__name__ == "_all_reduce_sum_gradients"
-    # Keras's update step still hands (gradient, variable) pairs to the hook.
-    import inspect
-
-    source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
-    assert "self._all_reduce_sum_gradients(grads_and_vars)" in source
-
-
 def test_a_sharded_weight_updated_from_an_unrouted_gradient_raises():
     strategy = MeshStrategy("data:2;model:2", "d_ff:model")
     with strategy.scope():

@@ -38,7 +38,7 @@ def test_optimizer_matches_one_device_on_a_mesh(name):
     print(f"{name} on {mesh}: {report}")
 
 
-# Keras applies these inside a tf.cond (tfdist.internal.optimizer_apply).
+# Keras applies these inside a tf.cond (tfdist.internal.gradient_seam).
 CONDITIONAL = {
     "ema_overwrite": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=3),
     "accumulation": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3),

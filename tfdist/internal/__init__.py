@@ -13,11 +13,13 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `single_controller`: `MeshExtended` and `AveragingExtended` over other tasks'
   devices, their scope's eager ops and resources (a keras-hub tokenizer) left on
   the controller.
-- `optimizer_gradients`: the Keras TF optimizer hook where gradients meet
-  their variables before any reduction.
-- `optimizer_apply`: Keras's updates inside a cond (gradient accumulation,
-  EMA overwrite) run in cross-replica context.
-- `keras_lamb`: Lamb's trust ratio from the norms of whole sharded weights.
+- `gradient_seam`: the one place where gradients meet their variables: attached
+  to each Keras optimizer created under a tfdist strategy, it routes and
+  reduces, clips globally, makes Keras's accumulation and EMA decisions and
+  applies, in cross-replica context (the route from a weight's read to its
+  update is in its docstring).
+- `keras_lamb`: Lamb's trust ratio from the norms of whole sharded weights
+  (set on Lamb instances by the seam).
 - `keras_reduce`: `strategy.reduce` as Keras 3 calls it (keras#20585, uneven first batches).
 - `keras_steps`: recognising Keras's train, test and predict steps.
 - `keras_rows`: Keras's losses and compiled metrics over the real rows of all replicas.
@@ -38,7 +40,7 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
   alone, equal to its box of the whole draw (TF's Philox counters).
 - `keras_jit`: `jit_compile=True` falling back on a multi-device tfdist mesh.
 - `loss_scale`: mixed-precision loss scaling skipping a step on every replica
-  when any overflowed.
+  when any overflowed (set on `LossScaleOptimizer` instances by the seam).
 - `sources`: the sha256 of an upstream function's installed source, which a hook
   mirroring it checks before it runs.
 - `hooks`: the table of every upstream function and class attribute tfdist
@@ -60,12 +62,12 @@ def install_keras_hooks() -> None:
     Each hook changes Keras's behaviour only under a `tfdist.runtime.MeshRuntime`;
     every tfdist mesh strategy calls this when it is created.
     """
-    from tfdist.internal import (keras_h5_slices, keras_jit, keras_lamb, keras_loop_reads,
-                                 keras_remat, keras_rows, loss_scale, optimizer_apply,
-                                 optimizer_gradients)
+    from tfdist.internal import (keras_h5_slices, keras_jit, keras_loop_reads, keras_remat,
+                                 keras_rows)
 
-    for hook in (optimizer_gradients, optimizer_apply, keras_lamb, keras_jit, loss_scale,
-                 keras_rows, keras_h5_slices, keras_remat, keras_loop_reads):
+    # The optimizer's seam is not among them: it is attached to each optimizer
+    # created under a tfdist strategy (`gradient_seam`), no class patched.
+    for hook in (keras_jit, keras_rows, keras_h5_slices, keras_remat, keras_loop_reads):
         hook.install()
 
 

@@ -128,36 +128,59 @@ _ATTENTION = (_I + "keras_tp_pairs", _I + "keras_hub_attention")
 _ATTENTION_TESTS = ("tests/internal/test_keras_hub_attention.py",
                     "tests/distribution/test_keras_hub.py")
 _MESH_TESTS = ("tests/internal/test_mesh_extended.py", "tests/strategies/test_mesh_strategy.py")
+_BASE_OPT = "keras.src.optimizers.base_optimizer.BaseOptimizer"
+_SEAM = (_I + "gradient_seam",)
+_SEAM_TESTS = ("tests/internal/test_gradient_seam.py", "tests/strategies/test_optimizers.py")
 _SLICES = (_I + "keras_initial_slices",)
 _SLICES_TESTS = ("tests/internal/test_keras_initial_slices.py",)
 
 HOOKS: Tuple[Hook, ...] = (
-    # -- Keras: replaced -------------------------------------------------------------
-    Hook(f"{_OPT}._all_reduce_sum_gradients", "keras", "replaced", (_I + "optimizer_gradients",),
-         "gradients, paired with their variables, routed per shard before any reduction",
-         "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
-         original=_I + "optimizer_gradients._KERAS_ALL_REDUCE", tests=_MESH_TESTS),
-    Hook(f"{_OPT}._clip_gradients", "keras", "replaced", (_I + "optimizer_gradients",),
-         "clipping deferred to the reduced gradients, on global norms",
-         "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
-         original=_I + "optimizer_gradients._KERAS_CLIP",
-         tests=("tests/strategies/test_clipping.py",)),
-    Hook(f"{_OPT}._backend_apply_gradients", "keras", "replaced", (_I + "optimizer_apply",),
-         "gradient accumulation and EMA updates in cross-replica context; shard constraints",
-         "48d6e24d580392413add1616a1bd8acdd4e7f3fe41db2f130d34d8093ef4757d",
-         original=_I + "optimizer_apply._KERAS_APPLY",
-         tests=("tests/internal/test_optimizer_apply.py",)),
-    Hook("keras.src.optimizers.lamb.Lamb.update_step", "keras", "replaced", (_I + "keras_lamb",),
-         "Lamb's trust ratio from the norms of whole sharded weights",
+    # -- Keras: the optimizer's seam, set per instance (no class patched) -------------
+    Hook(f"{_BASE_OPT}._backend_apply_gradients", "keras", "set", _SEAM,
+         "on each optimizer created under a tfdist strategy: the gradient seam, which "
+         "Keras's apply calls in a replica with each replica's gradients",
+         "43097be63b919d035bddf973cb3dac75e56b37f55dabb66c960254165e2f1477",
+         source=f"{_BASE_OPT}.apply", tests=_SEAM_TESTS),
+    Hook(f"{_BASE_OPT}._backend_apply_gradients", "keras", "mirrored", _SEAM,
+         "the seam makes its decisions in its order (clipping, weight decay, accumulation, "
+         "EMA), in cross-replica context",
+         "48d6e24d580392413add1616a1bd8acdd4e7f3fe41db2f130d34d8093ef4757d", tests=_SEAM_TESTS),
+    Hook("keras.src.optimizers.lamb.Lamb.update_step", "keras", "set",
+         _SEAM + (_I + "keras_lamb",),
+         "on each Lamb created under a tfdist strategy, called per component by Keras's TF "
+         "update step: the trust ratio from the norms of whole sharded weights",
+         "ec83c95231ba33ee08aec21749ca92dff304cb6f77bdb21376621e183f513b20",
+         source=f"{_OPT}._distributed_tf_update_step",
+         tests=("tests/internal/test_keras_lamb.py",)),
+    Hook("keras.src.optimizers.lamb.Lamb.update_step", "keras", "mirrored",
+         (_I + "keras_lamb",), "Keras's formula, with global norms for sharded weights",
          "be61e254012b60f55a4880d7ccd5a86e642a838f69e366bda3a988cff249390e",
-         original=_I + "keras_lamb._KERAS_UPDATE_STEP",
          tests=("tests/internal/test_keras_lamb.py",)),
     Hook("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer.check_finite", "keras",
-         "replaced", (_I + "loss_scale",),
-         "a mixed-precision step skipped on every replica when any overflowed",
-         "b0ce693a4ff0133b24ff258572b4279b2154ed1a3ff0478368ec5914272ea3a5",
-         original=_I + "loss_scale._KERAS_CHECK_FINITE",
+         "set", _SEAM + (_I + "loss_scale",),
+         "on each LossScaleOptimizer created under a tfdist strategy, called on every "
+         "replica by Keras's _tf_apply: a step skipped everywhere when any replica overflowed",
+         "e702c4db1a0622e3b4da2f76d6cca4660f63c145e272d7510d96d674cf944814",
+         source="keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer._tf_apply",
          tests=("tests/internal/test_loss_scale.py",)),
+    Hook("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer.check_finite", "keras",
+         "relied on", (_I + "loss_scale",), "each replica's own answer, made global",
+         "b0ce693a4ff0133b24ff258572b4279b2154ed1a3ff0478368ec5914272ea3a5",
+         tests=("tests/internal/test_loss_scale.py",)),
+    Hook(f"{_BASE_OPT}.__init__", "keras", "relied on", _SEAM,
+         "creates the optimizer's first variable inside name_scope(caller=optimizer): where "
+         "the seam is attached",
+         "7d5c171dfc92e81fc0d6247489c2ca78c02080d900679f5f0e04f4d651b3114f", tests=_SEAM_TESTS),
+    Hook("keras.src.backend.common.name_scope.name_scope.__enter__", "keras", "relied on",
+         _SEAM, "the name-scope stack whose top entry's caller is the optimizer being created",
+         "3ad9c648f157b115f45c59359d35bb1c438418f4607c0b48a533c965e59540e2", tests=_SEAM_TESTS),
+    Hook(f"{_OPT}._backend_update_step", "keras", "relied on", _SEAM,
+         "the seam calls it in cross-replica context: each gradient applied per component",
+         "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3", tests=_SEAM_TESTS),
+    Hook(f"{_OPT}._all_reduce_sum_gradients", "keras", "relied on", _SEAM,
+         "returns the seam's reduced gradients unchanged in cross-replica context",
+         "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0", tests=_SEAM_TESTS),
+    # -- Keras: replaced -------------------------------------------------------------
     Hook("keras.src.trainers.trainer.model_supports_jit", "keras", "replaced", (_I + "keras_jit",),
          "jit_compile=True falls back on a multi-device mesh, for every model",
          "287a9d3336efcce31c73380bf054c89a4e967906407c55063a86208bb4a1999c",
@@ -324,7 +347,7 @@ HOOKS: Tuple[Hook, ...] = (
     Hook(f"{_MIRRORED_EXTENDED}._use_merge_call", "tensorflow", "overridden", _EXTENDEDS,
          "no merge call while tfdist updates variables in cross-replica context",
          "c8f218081f251682058ace6414aed382b3c46ee6ce7811a67400b347aed17953",
-         tests=("tests/internal/test_optimizer_apply.py",)),
+         tests=_SEAM_TESTS),
     Hook(f"{_MIRRORED_EXTENDED}._create_variable", "tensorflow", "overridden", _EXTENDEDS,
          "sharded variables: component i is shard i of the global initial value",
          "3245e44cf40f661f2bfbe34af2218e06ed23562a8c6b53a75227d9b86bf362bb", tests=_MESH_TESTS),

@@ -1,38 +1,39 @@
 """Lamb on sharded weights: its trust ratio from the norms of the whole weight.
 
-Private Keras API used here (and only here): `keras.src.optimizers.lamb.Lamb.update_step`.
+Private Keras API mirrored here (and only here): `keras.src.optimizers.lamb.Lamb.update_step`.
 
 Lamb scales each weight's update by `||w|| / ||update||`, norms of the whole
 weight. Under a tfdist mesh an update sees one shard, whose norms are not the
-weight's; `install()` replaces `Lamb.update_step` with Keras's own formula in
-which, for a sharded weight only, the two squared norms are summed over the
-shards (`ShardRouting.global_sum_of_squares`, one all-reduce each). Replicated
-weights and every other strategy run Keras's method unchanged.
+weight's. `update_step` is Keras's own formula in which, for a sharded weight
+only, the two squared norms are summed over the shards
+(`ShardRouting.global_sum_of_squares`, one all-reduce each). The gradient seam
+sets it on each Lamb created under a tfdist strategy
+(`tfdist.internal.gradient_seam.attach`); no class is patched. Replicated
+weights run Keras's method unchanged.
 """
 
 from keras.src import ops
 from keras.src.optimizers import lamb
 
 from tfdist import runtime
-
-_KERAS_UPDATE_STEP = lamb.Lamb.update_step
+from tfdist.mesh import TensorLayout
 
 
 def _sharded_container(variable):
-    from tfdist.internal.mesh_extended import ShardedVariable
-
+    """The sharded distributed variable `variable` is a component of, or None."""
     # Where TF links a component to its distributed variable (as Keras's `_var_key` looks).
     container = getattr(variable, "_distributed_container", None)
     if container is None:
         container = getattr(getattr(variable, "handle", None), "_distributed_container", None)
     container = container() if callable(container) else None
-    return container if isinstance(container, ShardedVariable) else None
+    return container if isinstance(getattr(container, "layout", None), TensorLayout) else None
 
 
 def update_step(self, gradient, variable, learning_rate):
+    """`Lamb.update_step` of optimizer `self`, with the norms of whole sharded weights."""
     sharded = _sharded_container(variable)
     if sharded is None or runtime.current_runtime(self._distribution_strategy) is None:
-        return _KERAS_UPDATE_STEP(self, gradient, variable, learning_rate)
+        return lamb.Lamb.update_step(self, gradient, variable, learning_rate)
     extended = self._distribution_strategy.extended
     # Keras's Lamb.update_step, with the norms of the global weight.
     lr = ops.cast(learning_rate, variable.dtype)
@@ -56,11 +57,3 @@ def update_step(self, gradient, variable, learning_rate):
     )
     self.assign_sub(variable, ratio * lr * update)
 
-
-def install() -> None:
-    """Lamb's trust ratio over whole sharded weights under tfdist (idempotent)."""
-    lamb.Lamb.update_step = update_step
-
-
-def installed() -> bool:
-    return lamb.Lamb.update_step is update_step

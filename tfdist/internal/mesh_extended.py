@@ -15,9 +15,9 @@ How a sharded weight trains under an unmodified Keras 3 `fit`:
    layout, so weights and slots are 1/M per device.
 2. In a replica, the weight reads as its local shard; the layer computes on it
    and calls named-axis collectives (`tfdist.collectives`).
-3. Keras's TF optimizer hands its `(gradient, variable)` pairs to
-   `_all_reduce_sum_gradients` before any reduction; tfdist's hook there
-   (`tfdist.internal.optimizer_gradients`) passes them, in one merge call, to
+3. Keras's optimizer hands its `(gradient, variable)` pairs, before any
+   reduction, to the seam attached to it when it was created here
+   (`tfdist.internal.gradient_seam`), which passes them, in one merge call, to
    `ShardRouting.reduce_gradients`: replicated weights' gradients are summed
    over all replicas (fused buckets on the mesh's backend), sharded weights'
    gradients over the replicas that hold the same shard.
@@ -46,7 +46,7 @@ from tensorflow.python.framework import ops
 from tfdist import collectives, weight_reads
 from tfdist.clipping import clip_global
 from tfdist.internal import keras_h5_slices, keras_loop_reads, keras_variables
-from tfdist.internal import single_controller
+from tfdist.internal import gradient_seam, single_controller
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.core.shards import LAYOUT_KWARG, assemble_global, split_global
 from tfdist.core.zero import KeptWhole, own_slice, reduction_groups, whole_gradient
@@ -268,8 +268,7 @@ class ShardRouting:
     """Mixin for a MirroredExtended whose variables may be `ShardedVariable`s.
 
     Gradients reach `reduce_gradients` paired with their variables (through the
-    optimizer hook of `tfdist.internal.optimizer_gradients`), before any
-    reduction:
+    optimizer's seam, `tfdist.internal.gradient_seam`), before any reduction:
 
     - a replicated weight's gradient is summed over every replica, all of them
       fused into a few buckets (`Backend.batch_all_reduce`); a sparse one
@@ -294,7 +293,7 @@ class ShardRouting:
         self._routed = set()
         self._direct = False
 
-    # -- cross-replica updates (tfdist.internal.optimizer_apply) -------------
+    # -- cross-replica updates (tfdist.internal.gradient_seam) ---------------
 
     def _use_merge_call(self):
         # Inside `direct_updates` Keras's `maybe_merge_call(fn, strategy)` must
@@ -305,7 +304,7 @@ class ShardRouting:
     def direct_updates(self, variables):
         """Cross-replica updates of `variables` from gradients routed in this graph.
 
-        For updates Keras makes inside a cond (`tfdist.internal.optimizer_apply`):
+        For the seam's updates (`tfdist.internal.gradient_seam`), some inside a cond:
         the cond's branch is a graph of its own, so the variables whose
         gradients `reduce_gradients` routed outside it are marked routed in it.
         """
@@ -356,6 +355,10 @@ class ShardRouting:
         """The mesh device index of this process's replica `local_replica`."""
         return local_replica
 
+    def refresh_kept(self, variables) -> None:
+        """In a replica, after an optimizer step: ZeRO's kept copies of `variables` gathered anew."""
+        refresh_kept_in_replica(variables)
+
     # -- variables ---------------------------------------------------------
 
     _sharded_variable_class = ShardedVariable
@@ -368,6 +371,9 @@ class ShardRouting:
         return value
 
     def _create_variable(self, next_creator, **kwargs):
+        optimizer = gradient_seam.optimizer_being_created()
+        if optimizer is not None:  # the seam's one install point: the optimizer's first variable
+            gradient_seam.attach(optimizer, self._container_strategy())
         layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
         gather_on_read = False

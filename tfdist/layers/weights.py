@@ -38,7 +38,7 @@ def add_sharded_weight(
             elements (`L1`, `L2`, `L1L2`) are exact, scaled so that the
             shards' penalties add up to the whole weight's (`ShardPenalty`).
         constraint: a Keras constraint. On a sharded weight tfdist applies it
-            to each shard after every update (`tfdist.internal.optimizer_apply`):
+            to each shard after every update (`tfdist.internal.gradient_seam`):
             only constraints exact on a shard are taken (`NonNeg`, and `MaxNorm`,
             `MinMaxNorm`, `UnitNorm` whose norm axes are not split).
         **kwargs: passed to `layer.add_weight` (initializer, dtype, ...).
