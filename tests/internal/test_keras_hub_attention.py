@@ -22,9 +22,15 @@ def test_each_entry_mirrors_the_installed_keras_hub():
     classes = keras_hub_attention.attention_classes()
     assert sorted(cls.__name__ for cls in classes) == ["CachedGemmaAttention", "LlamaAttention",
                                                        "MultiHeadAttention"]
-    td.ModelParallel(layout_map=_layout_map((1, 2)), batch_dim_name="batch")  # installs
-    for cls in classes:
-        assert getattr(cls.__dict__["call"], "_tfdist_original", None) is not None
+    distribution = td.ModelParallel(layout_map=_layout_map((1, 2)), batch_dim_name="batch")
+    with distribution.scope():  # a Gemma built here: its attentions get the pairing call
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=2,
+            hidden_dim=HIDDEN, intermediate_dim=2 * HIDDEN, head_dim=HIDDEN // 2)
+    attention = backbone.transformer_layers[0].attention
+    assert "call" in vars(attention) and "call" in vars(backbone.transformer_layers[0])
+    for cls in classes:  # no class is patched
+        assert getattr(cls.__dict__["call"], "_tfdist_original", None) is None
 
 
 def _mesh(shape):

@@ -65,15 +65,37 @@ def test_reversible_embedding_is_keras_own_and_its_reverse_call_is_a_matmul():
         assert line in source
 
 
-def test_install_is_idempotent_and_keeps_the_signatures():
-    keras_tensor_parallel.install()
-    keras_tensor_parallel.install()
-    for cls in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding,
-                keras.layers.ReversibleEmbedding):
-        call = cls.__dict__["call"]
-        assert call._tfdist_original is not None
-        assert getattr(call._tfdist_original, "_tfdist_original", None) is None
-        assert inspect.signature(call) == inspect.signature(call._tfdist_original)
+def test_attach_sets_the_call_on_the_instance_keeping_its_signature():
+    layers = [keras.layers.Dense(2), keras.layers.EinsumDense("ab,bc->ac", 2),
+              keras.layers.Embedding(4, 2), keras.layers.ReversibleEmbedding(4, 2),
+              keras_hub.layers.ReversibleEmbedding(4, 2)]
+    for layer in layers:
+        original = type(layer).call
+        keras_tensor_parallel.attach(layer)
+        keras_tensor_parallel.attach(layer)  # idempotent
+        call = vars(layer)["call"]
+        assert call.__func__._tfdist_original is original
+        assert getattr(original, "_tfdist_original", None) is None  # the class is untouched
+        assert inspect.signature(call) == inspect.signature(original.__get__(layer))
+
+    class Custom(keras.layers.Dense):  # computes differently: left alone
+        def call(self, inputs):
+            return super().call(inputs) * 2
+
+    custom, plain = Custom(2), keras.layers.Dense(2)
+    keras_tensor_parallel.attach(custom)
+    assert "call" not in vars(custom) and "call" not in vars(plain)
+
+
+def test_layers_built_under_a_layout_map_get_it_and_others_do_not():
+    distribution = td.ModelParallel(
+        layout_map=td.LayoutMap(td.DeviceMesh((1, 2), ("batch", "model"),
+                                              [f"cpu:{i}" for i in range(2)])),
+        batch_dim_name="batch")
+    with distribution.scope():
+        inside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    outside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert "call" in vars(inside.layers[0]) and "call" not in vars(outside.layers[0])
 
 
 def test_the_keras_variable_and_layout_map_hooks():

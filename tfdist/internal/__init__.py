@@ -29,7 +29,8 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `keras_variables`: the Keras variable (path, shape) a `tf.Variable` is created for.
 - `keras_distribution`: the `LayoutMap` of Keras's own `ModelParallel`.
 - `keras_tensor_parallel`: shard-wise `call`s of Keras's Dense, EinsumDense,
-  Embedding and ReversibleEmbedding under a `LayoutMap`.
+  Embedding and ReversibleEmbedding under a `LayoutMap`, set on each such layer
+  built under the strategy (with `keras_tp_pairs`' blocks and attentions).
 - `keras_tp_pairs`: Megatron pairing of keras-hub feed-forward blocks' column and
   row layers (the blocks' `call`s, each checked against the installed keras-hub).
 - `keras_hub_moe_loss`: keras-hub's MoE load-balancing loss over every replica.
@@ -73,8 +74,8 @@ def install_keras_hooks() -> None:
 
 def install_layout_map_hooks() -> None:
     """Installs the hooks a strategy with a Keras `LayoutMap` relies on (idempotent):
-    tensor-parallel calls of Keras's layers and keras-hub's global MoE balancing loss."""
-    from tfdist.internal import keras_hub_moe_loss, keras_tensor_parallel
+    keras-hub's global MoE balancing loss. (Tensor-parallel calls of Keras's layers are
+    set per layer, on those built under the strategy: `keras_tensor_parallel.attach`.)"""
+    from tfdist.internal import keras_hub_moe_loss
 
-    keras_tensor_parallel.install()
     keras_hub_moe_loss.install()

@@ -43,8 +43,8 @@ Custom loops take the same seam: `strategy.run(... apply_gradients ...)`, both
 in `tf.function` and eagerly (eagerly, `reduce_gradients` sums on each device).
 
 Private Keras API used here (and only here):
-- Keras's name-scope stack (`global_state`'s "name_scope_stack", each entry's
-  `caller`): how the optimizer being created is found;
+- Keras's name-scope stack (`keras_variables.scope_callers`): how the
+  optimizer being created is found;
 - the `BaseOptimizer` internals Keras's `_backend_apply_gradients` calls:
   `_accumulated_gradients`, `_get_variable_index`,
   `_backend_increment_gradient_accumulators`,
@@ -59,12 +59,11 @@ import types
 import keras
 import tensorflow as tf
 from keras.src import ops
-from keras.src.backend.common import global_state
 from keras.src.optimizers import base_optimizer, lamb, loss_scale_optimizer
 
 from tfdist import runtime, weight_reads
 from tfdist.clipping import Clipping
-from tfdist.internal import keras_lamb, loss_scale
+from tfdist.internal import keras_lamb, keras_variables, loss_scale
 
 
 def optimizer_being_created():
@@ -73,8 +72,8 @@ def optimizer_being_created():
     Keras creates an optimizer's variables inside
     `backend.name_scope(optimizer.name, caller=optimizer)`.
     """
-    stack = global_state.get_global_attribute("name_scope_stack") or ()
-    caller = stack[-1].caller if stack else None
+    callers = keras_variables.scope_callers()
+    caller = callers[-1] if callers else None
     return caller if isinstance(caller, base_optimizer.BaseOptimizer) else None
 
 

@@ -1,9 +1,11 @@
 """Tensor-parallel calls for Keras layers whose weights a `LayoutMap` splits.
 
-Private Keras detail used here (and only here): the `call` methods of
+Private Keras detail used here (and only here): the `call` of each
 `keras.layers.Dense`, `EinsumDense`, `Embedding` and `ReversibleEmbedding`
-(and keras-hub's `ReversibleEmbedding`, the same class) are replaced, once,
-by a dispatcher. It runs this module's computation when the layer is exactly
+(and keras-hub's `ReversibleEmbedding`, the same class) built under a
+strategy with a `LayoutMap` is set, on that instance, to a dispatcher
+(`attach`, from the strategy's variable creator; no class is patched). It runs
+this module's computation when the layer is exactly
 one of those classes (a subclass may compute differently), has no LoRA or
 quantization, runs in a replica of a tfdist mesh strategy, and its weight is
 split by a `LayoutMap` (`tfdist.distribution`): shard-wise (tensor parallel)
@@ -46,10 +48,13 @@ activations after the columns are whole again.
 """
 
 import functools
+import types
 from typing import Optional
 
 import keras
 import tensorflow as tf
+
+from keras.src.backend import set_keras_mask
 
 from tfdist import collectives, runtime, tensor_parallel, weight_reads
 from tfdist.internal import keras_loop_reads, keras_tp_pairs, keras_variables
@@ -297,8 +302,14 @@ def embedding_call(layer, inputs):
 
 
 def reversible_embedding_call(layer, inputs, reverse=False):
-    if not reverse:
-        return NotImplemented  # the original calls Embedding.call (dispatched too)
+    if not reverse:  # Keras's branch: `Embedding.call`, then the mask
+        out = embedding_call(layer, inputs)
+        if out is NotImplemented:
+            return out
+        mask = keras.layers.Embedding.compute_mask(layer, inputs)
+        if mask is not None:
+            set_keras_mask(out, mask)
+        return out
     weight = layer.embeddings if layer.tie_weights else layer.reverse_embeddings
     plan = _plan(layer, weight)
     if plan is None:
@@ -367,10 +378,30 @@ def _dispatcher(original, tensor_parallel, serves):
     return call
 
 
-def install() -> None:
-    """Replaces the registry's `call` methods by dispatchers (idempotent)."""
-    for cls, shard_wise_call, serves in _registry():
-        current = cls.__dict__["call"]
-        if getattr(current, "_tfdist_original", None) is None:
-            cls.call = _dispatcher(current, shard_wise_call, serves)
-    keras_tp_pairs.install(pairing_plan)
+@functools.cache
+def _entries():
+    """((the upstream `call` a layer's class resolves to, the dispatcher wrapping it), ...)."""
+    entries = [(cls.__dict__["call"], functools.partial(_dispatcher, tensor_parallel=fn,
+                                                       serves=serves))
+               for cls, fn, serves in _registry()]
+    return tuple(entries) + keras_tp_pairs.entries(pairing_plan)
+
+
+def attach(layer) -> None:
+    """Sets the shard-wise dispatcher as `layer`'s `call` when its class's call is one
+    this module or `keras_tp_pairs` computes (idempotent; other layers are left alone)."""
+    if not isinstance(layer, keras.layers.Layer) or "call" in vars(layer):
+        return
+    resolved = type(layer).call
+    for original, dispatcher in _entries():
+        if resolved is original:
+            # `object.__setattr__`: a plain attribute, kept out of Keras's tracking.
+            object.__setattr__(layer, "call", types.MethodType(dispatcher(original), layer))
+            return
+
+
+def attach_to_layers_being_built() -> None:
+    """`attach` to every layer whose name scope is open (from a variable creator: the
+    layer whose weight is being created and the blocks around it)."""
+    for caller in keras_variables.scope_callers():
+        attach(caller)

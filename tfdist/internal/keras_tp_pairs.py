@@ -219,19 +219,21 @@ def block_classes():
     return classes
 
 
-def install(plan) -> None:
-    """Replaces each known block's and attention's `call` by a pairing dispatcher (idempotent).
+def entries(plan) -> tuple:
+    """((a known block's or attention's `call`, the pairing dispatcher wrapping it), ...).
 
     `plan(columns, row, dim)` gives `(size, axis)`, the one mesh axis the layers
     would run column- and row-parallel over, their split dimension `dim` (from
     the end), and its size; else None (each layer runs alone).
+    `keras_tensor_parallel.attach` sets the dispatcher on each such layer built
+    under a `LayoutMap`; no class is patched.
     """
     from tfdist.internal import keras_hub_attention
 
-    entries = [(cls, (*attributes, -1), None) for cls, attributes in block_classes().items()]
-    entries += [(cls, (columns, row, -2), substitute) for cls, (columns, row, substitute)
-                in keras_hub_attention.attention_classes().items()]
-    for cls, attributes, substitute in entries:
-        current = cls.__dict__["call"]
-        if getattr(current, "_tfdist_original", None) is None:
-            cls.call = _dispatcher(current, attributes, plan, substitute)
+    found = [(cls, (*attributes, -1), None) for cls, attributes in block_classes().items()]
+    found += [(cls, (columns, row, -2), substitute) for cls, (columns, row, substitute)
+              in keras_hub_attention.attention_classes().items()]
+    return tuple((cls.__dict__["call"],
+                  functools.partial(_dispatcher, attributes=attributes, plan=plan,
+                                    substitute=substitute))
+                 for cls, attributes, substitute in found)

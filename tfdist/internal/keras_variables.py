@@ -1,6 +1,9 @@
-"""The Keras variable a `tf.Variable` is being created for.
+"""The Keras variable a `tf.Variable` is being created for, and the objects creating it.
 
-Private Keras detail used here (and only here): the TF backend's
+Private Keras details used here (and only here): Keras's name-scope stack
+(`global_state`'s "name_scope_stack"), whose entries' `caller` are the layers
+and optimizer whose variables are being created (`scope_callers`); and the TF
+backend's
 `Variable._initialize_with_initializer` hands `tf.Variable` the initial value
 `lambda: initializer(self._shape, dtype=self._dtype)`, whose closure holds the
 Keras variable, so a variable creator (a strategy's) learns the variable's
@@ -14,7 +17,21 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras.src.backend.common import global_state
+
 from tfdist.internal import keras_initial_slices
+
+
+def scope_callers() -> tuple:
+    """The callers of Keras's open name scopes, outermost first.
+
+    Keras opens `name_scope(obj.name, caller=obj)` around a layer's build and
+    an optimizer's variable creation: inside a variable creator these are the
+    model, the blocks and the layer whose weight is being created, or the
+    optimizer.
+    """
+    stack = global_state.get_global_attribute("name_scope_stack") or ()
+    return tuple(entry.caller for entry in stack if entry.caller is not None)
 
 
 def keras_variable_of(initial_value) -> Optional[keras.Variable]:

@@ -46,7 +46,7 @@ from tensorflow.python.framework import ops
 from tfdist import collectives, weight_reads
 from tfdist.clipping import clip_global
 from tfdist.internal import keras_h5_slices, keras_loop_reads, keras_variables
-from tfdist.internal import gradient_seam, single_controller
+from tfdist.internal import gradient_seam, keras_tensor_parallel, single_controller
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.core.shards import LAYOUT_KWARG, assemble_global, split_global
 from tfdist.core.zero import KeptWhole, own_slice, reduction_groups, whole_gradient
@@ -374,6 +374,8 @@ class ShardRouting:
         optimizer = gradient_seam.optimizer_being_created()
         if optimizer is not None:  # the seam's one install point: the optimizer's first variable
             gradient_seam.attach(optimizer, self._container_strategy())
+        elif self.keras_layouts is not None:  # Keras layers built under a LayoutMap
+            keras_tensor_parallel.attach_to_layers_being_built()
         layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
         gather_on_read = False
