@@ -168,11 +168,8 @@ def test_every_upstream_attribute_a_tfdist_subclass_overrides_is_in_the_table():
 # Attribute assignments in tfdist/ to objects other than `self` that are not hooks.
 _NOT_HOOKS = {
     "tfdist/comm/tf_collectives.py: TFCollectiveBackend._next_instance_base": "tfdist's class",
-    "tfdist/distribution/model_parallel.py: self.extended.keras_layouts": "ShardRouting's",
-    "tfdist/strategies/horovod.py: self.extended.keras_layouts": "ShardRouting's",
     "tfdist/layers/weights.py: layer.weight_layouts": "tfdist's own attribute of a layer",
     "tfdist/layers/weights.py: layer.supports_jit": "Keras's public Layer attribute",
-    "tfdist/layers/attention.py: setattr(self, name)": "its own weights",
     "tfdist/weight_reads.py: setattr(_state, kind)": "a thread-local",
     "tfdist/testing/collective_log.py: setattr(backend, collective)": "tfdist's backend",
     "tfdist/internal/keras_h5_slices.py: setattr(owner, name)":
@@ -183,15 +180,23 @@ _NOT_HOOKS = {
 
 
 def _attribute_assignments():
-    """'path: object.attribute' of each attribute assignment (and `setattr`) in tfdist/,
+    """'path: object.attribute' of each attribute assignment (and `setattr`,
+    `object.__setattr__`) in tfdist/,
     but to `self`, a thread-local (`_local`, `_state`) or a `_tfdist*` attribute."""
     found = set()
     for path in sorted((ROOT / "tfdist").rglob("*.py")):
         where = path.relative_to(ROOT).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr":
-                found.add(f"{where}: setattr({ast.unparse(node.args[0])}, "
-                          f"{ast.unparse(node.args[1])})")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                    "setattr", "object.__setattr__"):
+                name = node.args[1]
+                if ast.unparse(node.args[0]) == "self":
+                    pass  # its own attribute (a frozen dataclass's)
+                elif isinstance(name, ast.Constant) and not name.value.startswith("_tfdist"):
+                    found.add(f"{where}: {ast.unparse(node.args[0])}.{name.value}")
+                elif not isinstance(name, ast.Constant):
+                    found.add(f"{where}: setattr({ast.unparse(node.args[0])}, "
+                              f"{ast.unparse(name)})")
                 continue
             targets = node.targets if isinstance(node, ast.Assign) else (
                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])

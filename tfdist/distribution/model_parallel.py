@@ -159,9 +159,9 @@ class ModelParallel(MeshStrategy):
         # tfdist's layers then compute on their shards with the same layouts.
         rules = getattr(layout_map, "layout_rules", LayoutRules(()))
         rules.check_mesh(layouts.mesh_shape)
-        super().__init__(Mesh(layouts.mesh_shape, rules), devices=devices, **options)
         install_layout_map_hooks()
-        self.extended.keras_layouts = layouts
+        super().__init__(Mesh(layouts.mesh_shape, rules), devices=devices,
+                         keras_layouts=layouts, **options)
         self.device_mesh = device_mesh
         self.layout_map = layout_map
         self.batch_dim_name = layouts.batch_axis

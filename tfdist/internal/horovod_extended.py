@@ -62,14 +62,14 @@ class HorovodShardedVariable(ShardedVariable):
 
 
 class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
-    def __init__(self, container_strategy, hvd, device, mesh, backend):
+    def __init__(self, container_strategy, hvd, device, mesh, backend, keras_layouts=None):
         super().__init__(container_strategy, devices=[device],
                          cross_device_ops=cross_device_ops_lib.ReductionToOneDevice())
         self.hvd = hvd
         self.mesh = mesh
         self.backend = backend
         self._count = 0
-        self._init_routing()
+        self._init_routing(keras_layouts)
         with tf.init_scope(), tf.device(device):  # a plain variable, not the strategy's
             self._rows = tf.Variable(tf.zeros([hvd.size()], tf.int32), trainable=False,
                                      name="tfdist_rank_rows")

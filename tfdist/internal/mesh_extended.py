@@ -288,7 +288,8 @@ class ShardRouting:
     keras_layouts = None
     """A `tfdist.keras_layouts.KerasLayouts`: layouts of Keras variables by path, or None."""
 
-    def _init_routing(self):
+    def _init_routing(self, keras_layouts=None):
+        self.keras_layouts = keras_layouts
         self._routed_graph = None
         self._routed = set()
         self._direct = False
@@ -692,7 +693,7 @@ class ShardRouting:
 class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
     """MirroredExtended whose variables may be shards; see the module docstring."""
 
-    def __init__(self, container_strategy, mesh, devices, backend):
+    def __init__(self, container_strategy, mesh, devices, backend, keras_layouts=None):
         # MirroredExtended refuses devices of several tasks in eager mode; a
         # single controller driving remote workers (like TPUStrategy) is what
         # tfdist's mesh over workers is, so initialise on the first device and
@@ -705,7 +706,7 @@ class MeshExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         single_controller.initialize_on_devices(self, devices)
         self.mesh = mesh
         self.backend = backend
-        self._init_routing()
+        self._init_routing(keras_layouts)
 
     # -- execution ---------------------------------------------------------
 

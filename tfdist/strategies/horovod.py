@@ -137,13 +137,12 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
         install_keras_hooks()
-        super().__init__(HorovodExtended(self, hvd, device, mesh, backend))
+        if keras_layouts is not None:
+            install_layout_map_hooks()
+        super().__init__(HorovodExtended(self, hvd, device, mesh, backend, keras_layouts))
         self.hvd = hvd
         self.mesh = mesh
         self._backend = backend
-        if keras_layouts is not None:
-            install_layout_map_hooks()
-            self.extended.keras_layouts = keras_layouts
 
     def reduce(self, reduce_op, value, axis):
         # Keras's symbolic build reduces the first batch, which replicas may hold

@@ -90,6 +90,9 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
             per shape for each collective whose shape varies
             (`tfdist.comm.shape_keys`), so more shapes than this fail with a
             clear error rather than grow memory without bound.
+        keras_layouts: layouts of Keras weights by path (a
+            `tfdist.keras_layouts.KerasLayouts`, as `tfdist.distribution.ModelParallel`
+            builds it from a Keras `LayoutMap`), or None.
 
     Partial batches: a batch whose rows the replicas cannot share evenly (the
     last one, or a batch size the device count does not divide) is padded per
@@ -123,6 +126,8 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         collective_timeout: float = 0.0,
         bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
         max_shapes: int = DEFAULT_MAX_SHAPES,
+        *,
+        keras_layouts=None,
     ):
         hooks.verify()  # the installed TF / Keras / keras-hub are the ones tfdist hooks into
         mesh = mesh_shape if isinstance(mesh_shape, Mesh) else Mesh.parse(mesh_shape, layout)
@@ -130,7 +135,7 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         backend = TFCollectiveBackend(devices, timeout_seconds=collective_timeout,
                                       bucket_bytes=bucket_bytes, max_shapes=max_shapes)
         install_keras_hooks()
-        super().__init__(MeshExtended(self, mesh, devices, backend))
+        super().__init__(MeshExtended(self, mesh, devices, backend, keras_layouts))
         self.mesh = mesh
         self._backend = backend
         logging.info("MeshStrategy: %s on %s", mesh, devices)
