@@ -5,7 +5,7 @@ Keras clips gradients per replica, before the data-parallel all-reduce
 strategy `clipnorm` and `global_clipnorm` clip each replica's partial
 gradient by its own norm: training silently differs from one device. Under a
 tfdist strategy the optimizer's clipping is deferred
-(`tfdist.internal.optimizer_gradients`) and applied here, after each gradient
+(`tfdist.internal.gradient_seam`) and applied here, after each gradient
 is reduced, with norms over the global tensors: a sharded weight's squared
 norm is the sum over its distinct shards (one all-reduce for all weights).
 

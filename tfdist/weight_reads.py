@@ -93,7 +93,7 @@ def read_kept(shard, whole, axis: str, dim: int, base=None, whole_gradient: bool
             whole, unreduced gradient of the copy (shaped like `whole`, not like
             `shard`), which the strategy all-reduces with the replicated
             weights' gradients and then cuts to the shard
-            (`tfdist.internal.mesh_extended`).
+            (`tfdist.internal.shard_routing`).
 
     Returns:
         The shard itself under `local_axes(axis)` (the optimizer's reads);

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist import checkpoint
-from tfdist.internal import mesh_extended
+from tfdist.internal import shard_routing
 from tfdist.layers.weights import add_sharded_weight
 from tfdist.sharded_checkpoint import SHARDED, bundle_prefix
 from tfdist.strategies import MeshStrategy
@@ -26,16 +26,16 @@ def _state(model):
 def trained(trained_2x2, tmp_path_factory):
     """The 2x2 model saved sharded (a spy fails the save if any weight is gathered)."""
     path = str(tmp_path_factory.mktemp("sharded") / "model.shards")
-    original = mesh_extended.ShardedVariable._get_cross_replica
+    original = shard_routing.ShardedVariable._get_cross_replica
 
     def gathered(self):
         raise AssertionError(f"a sharded save gathered {self.name}")
 
-    mesh_extended.ShardedVariable._get_cross_replica = gathered
+    shard_routing.ShardedVariable._get_cross_replica = gathered
     try:
         assert checkpoint.save(trained_2x2["model"], path, fmt=SHARDED) is True
     finally:
-        mesh_extended.ShardedVariable._get_cross_replica = original
+        shard_routing.ShardedVariable._get_cross_replica = original
     return dict(trained_2x2, path=path)
 
 

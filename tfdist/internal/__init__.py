@@ -6,10 +6,10 @@ only inside its optimizer. One job per module, each checked by a test in
 `tests/internal/` (or, for the Horovod engine, `tests/cluster/test_horovod.py`)
 that fails first, loudly, when a TF or Keras upgrade moves the hook:
 
-- `mesh_extended`: `MeshExtended` (a `MirroredExtended`) and `ShardedVariable`
+- `shard_routing`: `MeshExtended` (a `MirroredExtended`) and `ShardedVariable`
   (a `MirroredVariable`): true shards, gradients routed by variable.
-- `horovod_extended`: `HorovodExtended`, one replica per Horovod rank.
-- `averaging_extended`: local SGD with periodic model averaging (BMUF).
+- `horovod_replicas`: `HorovodExtended`, one replica per Horovod rank.
+- `model_averaging`: local SGD with periodic model averaging (BMUF).
 - `single_controller`: `MeshExtended` and `AveragingExtended` over other tasks'
   devices, their scope's eager ops and resources (a keras-hub tokenizer) left on
   the controller.

@@ -1,30 +1,31 @@
 """The one seam where gradients meet their variables under a tfdist strategy.
 
 How a gradient reaches its update. Follow the kernel of a row-parallel
-`ShardedDense` under `d_ff:model` through these six files:
+`ShardedDense` under `d_ff:model`. The path crosses six tfdist files:
 
-1. `tfdist/layers/dense.py`: the layer reads its kernel. In a replica the read
-   is the device's shard.
-2. `tfdist/internal/mesh_extended.py` (`ShardedVariable`): component `i` of the
-   weight is shard `i`. `ShardedVariable._get` returns it; an FSDP weight is
-   gathered whole first (`tfdist/weight_reads.py`).
+1. `tfdist/layers/dense.py`: the layer reads its kernel.
+2. `tfdist/internal/shard_routing.py`: in a replica the read of a
+   `ShardedVariable` is the device's component, its shard
+   (`ShardedVariable._get`; an FSDP weight is gathered first,
+   `tfdist/weight_reads.py`).
 3. `tfdist/tensor_parallel.py` (`row`): the contraction on the shard. The
    input is exchanged over the axis.
 4. `tfdist/collectives.py`: the named-axis all-to-all and reduce-scatter, and
-   their gradients. Below it sits the backend's op (`tfdist/comm/`), the same
-   for every path.
-5. This module, `GradientSeam`. Keras's optimizer hands it the
+   their gradients. The ambient mesh's backend is looked up in
+   `tfdist/runtime.py`.
+5. `tfdist/comm/tf_collectives.py`: the backend's ops, and the fused buckets
+   of the gradient reduction.
+6. This module, `GradientSeam`. Keras's optimizer hands it the
    `(gradient, variable)` pairs, each replica's own and before any reduction.
    The seam makes one merge call into cross-replica context, and there:
-   - routes and reduces (step 6);
+   - routes and reduces: `ShardRouting.reduce_gradients` in file 2 sums each
+     gradient over the replicas its variable needs, with file 5's buckets;
    - clips on global norms;
    - makes Keras's accumulation and EMA decisions;
-   - runs Keras's weight decay and update step, on each component.
+   - runs Keras's weight decay and update step. `ShardRouting._update`
+     (file 2) updates each component.
    Back in the replica it applies shard constraints and refreshes ZeRO's kept
    copies.
-6. `tfdist/internal/mesh_extended.py` (`ShardRouting.reduce_gradients`): each
-   gradient summed over the replicas its variable needs, then `_update`: the
-   update of each component.
 
 Options add one module each: global clipping (`tfdist/clipping.py`), ZeRO
 (`tfdist/core/zero.py`), Lamb's trust ratio (`keras_lamb`), and loss scaling

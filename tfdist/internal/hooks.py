@@ -120,14 +120,14 @@ _OPT = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
 _LAYER = "keras.src.layers.layer.Layer"
 _MIRRORED_EXTENDED = "tensorflow.python.distribute.mirrored_strategy.MirroredExtended"
 _MIRRORED_VARIABLE = "tensorflow.python.distribute.values.MirroredVariable"
-_EXTENDEDS = (_I + "mesh_extended", _I + "horovod_extended", _I + "averaging_extended")
+_EXTENDEDS = (_I + "shard_routing", _I + "horovod_replicas", _I + "model_averaging")
 _TP = (_I + "keras_tensor_parallel",)
 _TP_TESTS = ("tests/internal/test_keras_tensor_parallel.py",
              "tests/distribution/test_model_parallel.py")
 _ATTENTION = (_I + "keras_tp_pairs", _I + "keras_hub_attention")
 _ATTENTION_TESTS = ("tests/internal/test_keras_hub_attention.py",
                     "tests/distribution/test_keras_hub.py")
-_MESH_TESTS = ("tests/internal/test_mesh_extended.py", "tests/strategies/test_mesh_strategy.py")
+_MESH_TESTS = ("tests/internal/test_shard_routing.py", "tests/strategies/test_mesh_strategy.py")
 _BASE_OPT = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _SEAM = (_I + "gradient_seam",)
 _SEAM_TESTS = ("tests/internal/test_gradient_seam.py", "tests/strategies/test_optimizers.py")
@@ -362,20 +362,20 @@ HOOKS: Tuple[Hook, ...] = (
          "041aff50897dc7fa3cf74b5c4d06fbfab85115a322819491519f53f5224b5779",
          tests=_MESH_TESTS + ("tests/strategies/test_averaging.py",)),
     Hook(f"{_MIRRORED_EXTENDED}._batch_reduce_to", "tensorflow", "overridden",
-         (_I + "horovod_extended", _I + "averaging_extended"),
+         (_I + "horovod_replicas", _I + "model_averaging"),
          "reductions by Horovod; each replica keeps its own gradient (local SGD)",
          "13d47cf062069e5f5379748605566a77767ad1e60ca2c8b4de41fd68041e856d",
          tests=("tests/cluster/test_horovod.py", "tests/strategies/test_averaging.py")),
     Hook(f"{_MIRRORED_EXTENDED}._reduce_to", "tensorflow", "overridden",
-         (_I + "horovod_extended",), "reductions by Horovod over the ranks",
+         (_I + "horovod_replicas",), "reductions by Horovod over the ranks",
          "3ae47c98951671d27e14ad1b64ceafa76f10434c0c3670ce454b20efeef7f301",
          tests=("tests/cluster/test_horovod.py",)),
     Hook(f"{_MIRRORED_EXTENDED}._num_replicas_in_sync", "tensorflow", "overridden",
-         (_I + "horovod_extended",), "one replica per Horovod rank",
+         (_I + "horovod_replicas",), "one replica per Horovod rank",
          "118b3aa55a32bfafc16850ea51756c94613c5e32a3624d3dee6c83749d86da0f",
          tests=("tests/cluster/test_horovod.py",)),
     Hook(f"{_MIRRORED_EXTENDED}._experimental_distribute_dataset", "tensorflow", "overridden",
-         (_I + "horovod_extended",), "each rank its slice of every global batch",
+         (_I + "horovod_replicas",), "each rank its slice of every global batch",
          "abb8f33f3bf4e2915f6a717f5d3e0d7a7c7f5024ddb08cb476650b351cbfd06d",
          tests=("tests/cluster/test_horovod.py",)),
     Hook(f"{_MIRRORED_EXTENDED}._default_device", "tensorflow", "set",
@@ -391,34 +391,34 @@ HOOKS: Tuple[Hook, ...] = (
          "d4cd84cc71cdbd97054b1cacf688e1f809f411ce6b87565dae4811324a9a8ac3",
          source=f"{_MIRRORED_EXTENDED}.__init__", tests=_MESH_TESTS),
     # -- TensorFlow: MirroredVariable, overridden by ShardedVariable -----------------
-    Hook(f"{_MIRRORED_VARIABLE}._get", "tensorflow", "overridden", (_I + "mesh_extended",),
+    Hook(f"{_MIRRORED_VARIABLE}._get", "tensorflow", "overridden", (_I + "shard_routing",),
          "a replica reads its shard, or the whole weight gathered (LayoutMap)",
          "a990d39f234f59e6061c5cd2c0954f12d99a2cbeee36b07c24c451a8d196714b", tests=_MESH_TESTS),
     Hook(f"{_MIRRORED_VARIABLE}._get_cross_replica", "tensorflow", "overridden",
-         (_I + "mesh_extended", _I + "horovod_extended"),
+         (_I + "shard_routing", _I + "horovod_replicas"),
          "read outside a replica: the global tensor assembled from the shards",
          "e3104bd6bb6cdea66c58ad587388aa855c22685d60f727177f9a302250b6dcd7", tests=_MESH_TESTS),
-    Hook(f"{_MIRRORED_VARIABLE}.value", "tensorflow", "overridden", (_I + "mesh_extended",),
+    Hook(f"{_MIRRORED_VARIABLE}.value", "tensorflow", "overridden", (_I + "shard_routing",),
          "reads as `_get` (the shard, or the gathered weight)",
          "5363ffd587fccf379ed508e869bf71e07c43a110bd1f86bf77cb141f6088e88a", tests=_MESH_TESTS),
     Hook(f"{_MIRRORED_VARIABLE}.read_value", "tensorflow", "overridden",
-         (_I + "mesh_extended",), "reads as `_get` (the shard, or the gathered weight)",
+         (_I + "shard_routing",), "reads as `_get` (the shard, or the gathered weight)",
          "19415e5c59f7248a138df834ca1761e0c333cafce2fbb93b80a8243fabda6a83", tests=_MESH_TESTS),
     Hook(f"{_MIRRORED_VARIABLE}._dense_var_to_tensor", "tensorflow", "overridden",
-         (_I + "mesh_extended",), "converts as `_get` reads",
+         (_I + "shard_routing",), "converts as `_get` reads",
          "746fe6d7ac8fdcb67b0dee5ad5d84d2cfdb8c514215666ab6e4832877eaa54d0", tests=_MESH_TESTS),
     Hook(f"{_MIRRORED_VARIABLE}._update_cross_replica", "tensorflow", "overridden",
-         (_I + "mesh_extended",), "a global value assigned is split into shards",
+         (_I + "shard_routing",), "a global value assigned is split into shards",
          "6aab75ee5794aeec8e908baf711f1e856669961267476c2c119120d489b352d3", tests=_MESH_TESTS),
     Hook(f"{_MIRRORED_VARIABLE}._update_replica", "tensorflow", "overridden",
-         (_I + "mesh_extended",), "a replica updates its own shard",
+         (_I + "shard_routing",), "a replica updates its own shard",
          "60252fff9613fb400b668f8bde799f4bc8deed537b00f0652d44f266ec6c7939", tests=_MESH_TESTS),
     Hook(f"{_MIRRORED_VARIABLE}._serialize_to_tensors", "tensorflow", "overridden",
-         (_I + "mesh_extended",), "checkpoints save the global tensor, not shard 0",
+         (_I + "shard_routing",), "checkpoints save the global tensor, not shard 0",
          "54eba113aec935b7d1ca55542b051412993626259ce0bd0d05c7b3693d48f16b",
          tests=("tests/strategies/test_checkpoints.py",)),
     Hook(f"{_MIRRORED_VARIABLE}._restore_from_tensors", "tensorflow", "overridden",
-         (_I + "mesh_extended",), "checkpoints restore the global tensor into shards",
+         (_I + "shard_routing",), "checkpoints restore the global tensor into shards",
          "0597aefed0d339979c79dfc0152ab1b8a35fe48b534e6d990c74e340e6953ad1",
          tests=("tests/strategies/test_checkpoints.py",)),
     # -- TensorFlow: mirrored ----------------------------------------------------------

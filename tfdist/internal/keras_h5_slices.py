@@ -17,7 +17,7 @@ Private Keras details used here (and only here), each checked by
 - `keras.src.backend.common.variables.Variable.assign`: an `H5Slices` assigned
   to a variable whose value is a tfdist sharded variable goes to it unread;
   the sharded variable reads its shards' slices
-  (`mesh_extended.ShardedVariable`). Any other target reads it whole first.
+  (`shard_routing.ShardedVariable`). Any other target reads it whole first.
 - `keras.src.saving.saving_lib.is_memory_sufficient`: False under a tfdist
   strategy, so `load_model` extracts a `.keras` archive's weights file to disk
   and reads it lazily instead of copying the whole file into memory.

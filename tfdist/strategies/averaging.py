@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tfdist.comm.tf_collectives import TFCollectiveBackend
 from tfdist.internal import hooks, install_keras_hooks
-from tfdist.internal.averaging_extended import AveragingExtended
+from tfdist.internal.model_averaging import AveragingExtended
 from tfdist.mesh import Mesh
 from tfdist.strategies.mesh_strategy import resolve_devices
 

@@ -8,7 +8,7 @@ import tensorflow as tf
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
 from tfdist.internal import hooks, install_keras_hooks, install_layout_map_hooks
 from tfdist.keras_layouts import KerasLayouts
-from tfdist.internal.horovod_extended import HorovodExtended
+from tfdist.internal.horovod_replicas import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.mesh import Mesh, MeshShape
 from tfdist.runtime import MeshRuntime

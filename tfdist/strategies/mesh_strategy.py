@@ -5,12 +5,11 @@ from typing import Sequence, Union
 import tensorflow as tf
 from absl import logging
 
-from tfdist.comm import fusion
 from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES
-from tfdist.comm.tf_collectives import TFCollectiveBackend
+from tfdist.comm.tf_collectives import DEFAULT_BUCKET_BYTES, TFCollectiveBackend
 from tfdist.internal import hooks, install_keras_hooks
 from tfdist.internal.keras_reduce import reduce_for_keras
-from tfdist.internal.mesh_extended import MeshExtended
+from tfdist.internal.shard_routing import MeshExtended
 from tfdist.mesh import Mesh
 from tfdist.runtime import MeshRuntime
 
@@ -124,7 +123,7 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         layout=None,
         devices: Union[None, str, Sequence[str]] = None,
         collective_timeout: float = 0.0,
-        bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         max_shapes: int = DEFAULT_MAX_SHAPES,
         *,
         keras_layouts=None,

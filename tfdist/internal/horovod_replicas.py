@@ -5,7 +5,7 @@ Private TF APIs used here (and only here): `MirroredExtended` and its hooks
 `_experimental_distribute_dataset`, `_num_replicas_in_sync`, `_call_for_each_replica`;
 `values.Mirrored`;
 through `ShardRouting` and
-`ShardedVariable` those of `mesh_extended`.
+`ShardedVariable` those of `shard_routing`.
 
 `horovod.tensorflow.keras` targets Keras 2 optimizers and breaks on TF >= 2.16
 (horovod#4290), so instead of wrapping the optimizer we make Horovod the
@@ -47,7 +47,7 @@ from tensorflow.python.distribute import values
 from tfdist.internal.even_steps import counted_keras_step
 from tfdist.internal.keras_steps import is_keras_predict_step
 from tfdist.core.shards import assemble_global
-from tfdist.internal.mesh_extended import ShardedVariable, ShardRouting
+from tfdist.internal.shard_routing import ShardedVariable, ShardRouting
 
 
 class HorovodShardedVariable(ShardedVariable):

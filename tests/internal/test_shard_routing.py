@@ -10,7 +10,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy, values
 
 from tfdist.core.shards import assemble_global
-from tfdist.internal.mesh_extended import ShardedVariable
+from tfdist.internal.shard_routing import ShardedVariable
 from tfdist.layers import add_sharded_weight
 from tfdist.mesh import Mesh
 from tfdist.strategies import MeshStrategy
