@@ -4,4 +4,5 @@ private TF / Keras / keras-hub APIs and calls into here).
 
 - `shards`: a layout's shards assembled into the global tensor and split from it.
 - `zero`: ZeRO-1/2's kept whole copy, and a ZeRO-1 gradient's groups and slice.
+- `routing`: the routing plan, over which replicas each gradient of a step is summed.
 """

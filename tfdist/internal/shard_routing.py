@@ -49,7 +49,8 @@ from tfdist.internal import keras_h5_slices, keras_loop_reads, keras_variables
 from tfdist.internal import gradient_seam, keras_tensor_parallel, single_controller
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.core.shards import LAYOUT_KWARG, assemble_global, split_global
-from tfdist.core.zero import KeptWhole, own_slice, reduction_groups, whole_gradient
+from tfdist.core import routing
+from tfdist.core.zero import KeptWhole, own_slice, whole_gradient
 from tfdist.mesh import TensorLayout
 
 class ShardedVariable(values.MirroredVariable):
@@ -268,7 +269,8 @@ class ShardRouting:
     """Mixin for a MirroredExtended whose variables may be `ShardedVariable`s.
 
     Gradients reach `reduce_gradients` paired with their variables (through the
-    optimizer's seam, `tfdist.internal.gradient_seam`), before any reduction:
+    optimizer's seam, `tfdist.internal.gradient_seam`), before any reduction;
+    the plan (`tfdist.core.routing`) comes from the variables' layouts:
 
     - a replicated weight's gradient is summed over every replica, all of them
       fused into a few buckets (`Backend.batch_all_reduce`); a sparse one
@@ -561,25 +563,19 @@ class ShardRouting:
         """
         grads_and_vars = list(grads_and_vars)
         n_local = len(self._devices)
-        everyone = tuple(range(self.mesh.size))
         # Eagerly (a custom loop's `strategy.run` outside tf.function) the replicas ran
         # one after another and their gradients are all here: summed on each device
         # without collectives, which would wait for peers that never come.
         eager = tf.executing_eagerly() and n_local > 1
-        # Per local replica: {group: [positions]} in variable order, last layer first
-        # so that the first fused bucket is ready first in the backward pass.
-        plan = [dict() for _ in range(n_local)]
-        sparse = []  # IndexedSlices: gathered over the weight's owners, kept sparse
-        global_already = []  # one tensor for every replica: already the global gradient
         routed = self._routed_set()
-        components = []
-        for k, (grad, var) in enumerate(grads_and_vars):
+        components, kinds = [], []
+        for grad, var in grads_and_vars:
             parts = self._components(grad)
             if parts is None and not isinstance(var, ShardedVariable):
                 # The same tensor in every replica (made outside `strategy.run`):
                 # MirroredStrategy applies it as it is, once, and so does tfdist.
                 components.append((grad,) * n_local)
-                global_already.append(k)
+                kinds.append(routing.AS_IS)
                 continue
             if parts is None or (eager and isinstance(var, ShardedVariable)):
                 raise ValueError(
@@ -589,50 +585,39 @@ class ShardRouting:
                     f"gradient in an eager `strategy.run`: its shards' gradients are "
                     f"summed by collectives, which run inside tf.function only. Wrap the "
                     f"step in tf.function.")
-            components.append(parts)
             if isinstance(var, ShardedVariable):
                 routed.add(id(var))
-                groups = reduction_groups(var, everyone)
-            if all(isinstance(c, tf.IndexedSlices) for c in parts):
-                sparse.append(k)
-                continue
-            for i in range(n_local):
-                index = self.mesh_device_index(i)
-                if isinstance(var, ShardedVariable):
-                    group = next(g for g in groups if index in g)
-                else:
-                    group = everyone
-                plan[i].setdefault(tuple(group), []).append(k)
+            components.append(parts)
+            kinds.append(routing.SPARSE if all(isinstance(c, tf.IndexedSlices) for c in parts)
+                         else routing.DENSE)
+        variables = [v for _, v in grads_and_vars]
+        plan = routing.plan_reduction(variables, kinds,
+                                      [self.mesh_device_index(i) for i in range(n_local)],
+                                      self.mesh.size)
         reduced = [[None] * n_local for _ in grads_and_vars]
         for i in range(n_local):
             index = self.mesh_device_index(i)
             with tf.device(self._devices[i]):
-                for k in global_already:
+                for k in plan.as_is:
                     reduced[k][i] = tf.identity(components[k][i])
-                if eager:
-                    for k in sparse:
+                if eager:  # every gradient here is a replicated weight's
+                    for k in plan.sparse[i]:
                         parts = components[k]
                         reduced[k][i] = _drop_padding(tf.IndexedSlices(
                             tf.concat([p.values for p in parts], 0),
                             tf.concat([p.indices for p in parts], 0), parts[0].dense_shape))
-                    for positions in plan[i].values():
+                    for positions in plan.dense[i].values():
                         for k in positions:
-                            reduced[k][i] = tf.add_n([_dense(p, grads_and_vars[k][1], j)
+                            reduced[k][i] = tf.add_n([_dense(p, variables[k], j)
                                                       for j, p in enumerate(components[k])])
                     continue
-                for k in sparse:
-                    var = grads_and_vars[k][1]
-                    group = everyone
-                    if isinstance(var, ShardedVariable):
-                        group = next(g for g in reduction_groups(var, everyone) if index in g)
+                for k, group in plan.sparse[i].items():
                     reduced[k][i] = own_slice(_drop_padding(
-                        self._gather_slices(components[k][i], index, tuple(group))), var, index)
-                for group, positions in plan[i].items():
-                    positions = positions[::-1]
-                    dense = [_dense(components[k][i], grads_and_vars[k][1], i)
-                             for k in positions]
+                        self._gather_slices(components[k][i], index, group)), variables[k], index)
+                for group, positions in plan.dense[i].items():
+                    dense = [_dense(components[k][i], variables[k], i) for k in positions]
                     for k, r in zip(positions, self.backend.batch_all_reduce(dense, index, group)):
-                        reduced[k][i] = own_slice(r, grads_and_vars[k][1], index)
+                        reduced[k][i] = own_slice(r, variables[k], index)
         if clipping is not None and clipping.active:
             self._clip(clipping, reduced, [v for _, v in grads_and_vars])
         return [self._wrap(r, mirrored=not isinstance(v, ShardedVariable))
