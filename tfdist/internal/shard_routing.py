@@ -49,6 +49,7 @@ from tfdist.internal import keras_h5_slices, keras_loop_reads, keras_variables
 from tfdist.internal import gradient_seam, keras_tensor_parallel, single_controller
 from tfdist.internal.even_steps import even_keras_step
 from tfdist.core.shards import LAYOUT_KWARG, assemble_global, split_global
+from tfdist.core import placement as placement_lib
 from tfdist.core import routing
 from tfdist.core.zero import KeptWhole, own_slice, whole_gradient
 from tfdist.mesh import TensorLayout
@@ -234,6 +235,17 @@ def replica_tensors(structure):
     return out
 
 
+def _slot_shape(kwargs):
+    """A slot's shape from its creation arguments (`placement.SLOT_FROM_REFERENCE` for
+    Keras's slots, made from a callable initial value without a shape)."""
+    initial, shape = kwargs.get("initial_value"), kwargs.get("shape")
+    if shape is None and callable(initial):
+        return placement_lib.SLOT_FROM_REFERENCE
+    if shape is None and initial is not None:
+        shape = tf.convert_to_tensor(initial).shape
+    return tuple(tf.TensorShape(shape).as_list())
+
+
 def _drop_padding(slices):
     """`slices` without its padding entries (index -1, `tfdist.collectives`).
 
@@ -379,33 +391,23 @@ class ShardRouting:
             gradient_seam.attach(optimizer, self._container_strategy())
         elif self.keras_layouts is not None:  # Keras layers built under a LayoutMap
             keras_tensor_parallel.attach_to_layers_being_built()
-        layout = kwargs.pop(LAYOUT_KWARG, None)
         colocate_with = kwargs.get("colocate_with")
-        gather_on_read = False
-        kept_base = keeps_whole = None  # ZeRO-1/2: the LayoutMap's own layout of a split weight
-        if layout is not None and colocate_with is None and self.keras_layouts is not None:
-            # A tfdist layer's weight under a LayoutMap: the two must agree.
+        keras_variable = None
+        if colocate_with is None and self.keras_layouts is not None:
             keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
-            if keras_variable is not None:
-                self.keras_layouts.check_agrees(keras_variable.path, layout)
-        if layout is None and isinstance(colocate_with, ShardedVariable):
-            layout = self._slot_layout(colocate_with, kwargs)
-        elif layout is None and colocate_with is None and self.keras_layouts is not None:
-            # A Keras weight laid out by path (`tfdist.distribution`); any layer
-            # reads it whole (gathered) unless its call runs on shards.
-            keras_variable = keras_variables.keras_variable_of(kwargs.get("initial_value"))
-            if keras_variable is not None:
-                layouts = self.keras_layouts
-                layout = layouts.layout(keras_variable.path, keras_variable.shape)
-                zero = layouts.zero_layout(layout, keras_variable.shape,
-                                           kwargs.get("trainable", True))
-                keeps_whole = zero is not None and layouts.keeps_whole
-                if zero is not None:
-                    kept_base, layout = layout, zero
-                keras_variables.set_layout(keras_variable, layout, keeps_whole=keeps_whole)
-                gather_on_read = True
-        if layout is None or not layout.is_sharded:
+        slot_of = colocate_with if isinstance(colocate_with, ShardedVariable) else None
+        placement = placement_lib.place(
+            kwargs.pop(LAYOUT_KWARG, None), slot_of=slot_of,
+            slot_shape=_slot_shape(kwargs) if slot_of is not None else None,
+            keras_path=None if keras_variable is None else keras_variable.path,
+            keras_shape=None if keras_variable is None else keras_variable.shape,
+            trainable=kwargs.get("trainable", True), keras_layouts=self.keras_layouts)
+        if placement.gather_on_read:  # a LayoutMap weight: its layout recorded on it
+            keras_variables.set_layout(keras_variable, placement.layout,
+                                       keeps_whole=placement.keeps_whole)
+        if not placement.sharded:
             return self._create_replicated_variable(next_creator, **kwargs)
+        layout = placement.layout
         kwargs.pop("colocate_with", None)
         # Slots (zeros) and Keras weights from Keras's constant and random
         # initializers: each shard made on its own device, never the whole value.
@@ -414,10 +416,10 @@ class ShardRouting:
             kwargs.get("dtype"), share_seed=self._shared_seed)
         variable = self._create_sharded_variable(next_creator, layout, make_shard=make_shard,
                                                  **kwargs)
-        variable._tfdist_gather_on_read = gather_on_read
-        if keeps_whole:
-            variable._tfdist_kept = self._create_kept_whole(next_creator, variable, kept_base,
-                                                            kwargs)
+        variable._tfdist_gather_on_read = placement.gather_on_read
+        if placement.keeps_whole:
+            variable._tfdist_kept = self._create_kept_whole(next_creator, variable,
+                                                            placement.kept_base, kwargs)
         return variable
 
     def _create_kept_whole(self, next_creator, variable, base, kwargs) -> KeptWhole:
@@ -437,25 +439,6 @@ class ShardRouting:
             copy = self._create_sharded_variable(next_creator, base, **copy_kwargs)
         return KeptWhole(copy=copy, base=base, axis=axis, dim=dim,
                          whole_gradient=self.keras_layouts.zero_stage == 1)
-
-    @staticmethod
-    def _slot_layout(primary: ShardedVariable, kwargs):
-        initial = kwargs.get("initial_value")
-        shape = kwargs.get("shape")
-        if shape is None and not callable(initial) and initial is not None:
-            shape = tf.convert_to_tensor(initial).shape
-        if shape is None and callable(initial):
-            return primary.layout  # Keras slots: `add_variable_from_reference`.
-        if tuple(tf.TensorShape(shape).as_list()) != primary.layout.shape:
-            raise ValueError(
-                f"A variable of shape {tuple(tf.TensorShape(shape).as_list())} "
-                f"colocated with sharded variable {primary.name!r} (global shape "
-                f"{primary.layout.shape}, layout {primary.layout}) cannot be "
-                f"sharded like it; optimizers whose slots have another shape "
-                f"(e.g. factored second moments) are not supported for sharded "
-                f"weights."
-            )
-        return primary.layout
 
     def _shared_seed(self, seed):
         """The seed every process draws a variable's random shards from (one process: its own)."""
