@@ -206,10 +206,10 @@ def _sparse_reduce_scatter(ctx, dy, dim, local_shape):
 
 def _outside_loops(what):
     """Raises, naming the layer, where a Keras call traces collective `what` inside a
-    `while_loop` (TF cannot differentiate it; `tfdist.internal.keras_loop_reads`)."""
-    from tfdist.internal import keras_loop_reads
-
-    keras_loop_reads.check_no_loop(what)
+    `while_loop` (TF cannot differentiate it): the strategy's `check_collective`."""
+    mesh_runtime = runtime.current_runtime()
+    if mesh_runtime is not None:
+        mesh_runtime.check_collective(what)
 
 
 def _gather_on(ctx, x, dim):

@@ -64,6 +64,11 @@ class MeshRuntime(abc.ABC):
     def barrier(self, name: str) -> None:
         """Waits for every process that runs Python (a single controller: returns)."""
 
+    def check_collective(self, what: str) -> None:
+        """Called by `tfdist.collectives` before a replica traces collective `what`;
+        raises where it cannot run. tfdist's strategies refuse one inside a loop of a
+        Keras call (`tfdist.internal.keras_loop_reads`)."""
+
 
 def current_runtime(strategy=None) -> Optional[MeshRuntime]:
     """The `MeshRuntime` of `strategy` (default: the strategy in scope), or None."""

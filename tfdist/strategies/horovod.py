@@ -6,7 +6,8 @@ from typing import Optional
 import tensorflow as tf
 
 from tfdist.comm.horovod import HorovodBackend, init_with_process_sets
-from tfdist.internal import hooks, install_keras_hooks, install_layout_map_hooks
+from tfdist.internal import (hooks, install_keras_hooks, install_layout_map_hooks,
+                             keras_loop_reads)
 from tfdist.keras_layouts import KerasLayouts
 from tfdist.internal.horovod_replicas import HorovodExtended
 from tfdist.internal.keras_reduce import reduce_for_keras
@@ -143,6 +144,9 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         self.hvd = hvd
         self.mesh = mesh
         self._backend = backend
+
+    def check_collective(self, what: str) -> None:  # MeshRuntime
+        keras_loop_reads.check_no_loop(what)  # not inside a loop of a Keras call
 
     def reduce(self, reduce_op, value, axis):
         # Keras's symbolic build reduces the first batch, which replicas may hold

@@ -7,7 +7,7 @@ from absl import logging
 
 from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES
 from tfdist.comm.tf_collectives import DEFAULT_BUCKET_BYTES, TFCollectiveBackend
-from tfdist.internal import hooks, install_keras_hooks
+from tfdist.internal import hooks, install_keras_hooks, keras_loop_reads
 from tfdist.internal.keras_reduce import reduce_for_keras
 from tfdist.internal.shard_routing import MeshExtended
 from tfdist.mesh import Mesh
@@ -138,6 +138,9 @@ class MeshStrategy(MeshRuntime, tf.distribute.Strategy):
         self.mesh = mesh
         self._backend = backend
         logging.info("MeshStrategy: %s on %s", mesh, devices)
+
+    def check_collective(self, what: str) -> None:  # MeshRuntime
+        keras_loop_reads.check_no_loop(what)  # not inside a loop of a Keras call
 
     def reduce(self, reduce_op, value, axis):
         # Keras's symbolic build reduces the first batch, which replicas may hold
