@@ -27,9 +27,12 @@ How a gradient reaches its update. Follow the kernel of a row-parallel
    Back in the replica it applies shard constraints and refreshes ZeRO's kept
    copies.
 
-Options add one module each: global clipping (`tfdist/clipping.py`), ZeRO
-(`tfdist/core/zero.py`), Lamb's trust ratio (`keras_lamb`), and loss scaling
-(`loss_scale`).
+Three more modules are consulted on the way, for a decision each, without
+carrying the gradient: `tfdist/runtime.py` (the ambient mesh),
+`tfdist/core/routing.py` (the routing plan, from layouts alone) and
+`tfdist/core/zero.py` (ZeRO's groups and slices; a pass-through without ZeRO).
+Options add one module each: global clipping (`tfdist/clipping.py`), Lamb's
+trust ratio (`keras_lamb`), and loss scaling (`loss_scale`).
 
 Installed at one point: the strategy's variable creator. When a Keras
 optimizer creates its first variable (its `iterations`, in its constructor)
