@@ -380,11 +380,13 @@ def _dispatcher(original, tensor_parallel, serves):
 
 @functools.cache
 def _entries():
-    """((the upstream `call` a layer's class resolves to, the dispatcher wrapping it), ...)."""
-    entries = [(cls.__dict__["call"], functools.partial(_dispatcher, tensor_parallel=fn,
-                                                       serves=serves))
-               for cls, fn, serves in _registry()]
-    return tuple(entries) + keras_tp_pairs.entries(pairing_plan)
+    """((the upstream `call` a layer's class resolves to, the dispatcher wrapping it), ...),
+    each dispatcher made once and bound to every layer it serves."""
+    makers = [(cls.__dict__["call"], functools.partial(_dispatcher, tensor_parallel=fn,
+                                                      serves=serves))
+              for cls, fn, serves in _registry()]
+    makers += keras_tp_pairs.entries(pairing_plan)
+    return tuple((original, make(original)) for original, make in makers)
 
 
 def attach(layer) -> None:
@@ -396,7 +398,7 @@ def attach(layer) -> None:
     for original, dispatcher in _entries():
         if resolved is original:
             # `object.__setattr__`: a plain attribute, kept out of Keras's tracking.
-            object.__setattr__(layer, "call", types.MethodType(dispatcher(original), layer))
+            object.__setattr__(layer, "call", types.MethodType(dispatcher, layer))
             return
 
 
