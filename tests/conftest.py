@@ -17,6 +17,15 @@ import time
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One TF thread per pool in every test process (and the jobs it launches, which
+# inherit the environment). `make test` runs 3 pytest workers and their job
+# processes on 2 cores: TF's default pools (2 threads each, spinning while they
+# wait) made in-process replicas hand off slowly beside other processes. Measured
+# on tests/strategies with 3 workers: 302 s wall with the default pools, 171 s with
+# one thread (CPU 313 s and 301 s); a test of the full suite stalled 159 s for 20
+# CPU-s beside Horovod jobs.
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
 from tfdist.devices import split_cpu  # noqa: E402
 
