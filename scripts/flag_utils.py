@@ -99,6 +99,26 @@ def strategy_from_flags(mesh):
                         devices_per_worker=FLAGS.devices_per_worker)
 
 
+def devices_from_flags(mesh):
+    """The mesh's devices for a pipeline (no strategy): this machine's CPUs split
+    into `mesh.size`, or the devices of the cluster TF_CONFIG / --worker_hosts
+    name (on a task that only serves, this does not return)."""
+    cluster = cluster_from_flags()
+    if cluster is None:
+        import tensorflow as tf
+
+        from tfdist.devices import split_cpu
+
+        split_cpu(mesh.size)
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:mesh.size]
+    else:
+        devices = list(cluster.start(devices_per_worker=flags.FLAGS.devices_per_worker))
+    if len(devices) != mesh.size:
+        raise ValueError(f"Mesh {mesh.shape} needs {mesh.size} devices; the cluster has "
+                         f"{len(devices)}: {devices}.")
+    return devices
+
+
 # TensorFlow's native start-up and run-time notes, written by its C++ logging to
 # file descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL says (TF 2.21 logs through
 # absl, before absl::InitializeLog): "I0000 00:00:... port.cc:153] oneDNN custom

@@ -30,8 +30,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
-from flag_utils import (define_checkpoint_flags, define_cluster_flags, run,  # noqa: E402
-                        strategy_from_flags, validate_mesh_flags)
+from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
+                        devices_from_flags, run, strategy_from_flags, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -75,6 +75,12 @@ def define_flags():
     flags.DEFINE_float("alpha", run.alpha, "GNMT length penalty.")
     flags.DEFINE_integer("eval_sentences", run.eval_sentences, "Held-out sentences per BLEU.")
     flags.DEFINE_integer("seed", run.seed, "Seed.")
+    flags.DEFINE_integer("num_microbatches", run.num_microbatches,
+                         "Pipeline (a layout with 'layers:<stage axis>'): micro-batches per step.")
+    flags.DEFINE_enum("pipeline_schedule", run.pipeline_schedule,
+                      ["gpipe", "1f1b", "interleaved_1f1b"], "Pipeline schedule.")
+    flags.DEFINE_integer("pipeline_chunks", run.pipeline_chunks,
+                         "Pipeline: virtual stages per device (interleaved_1f1b).")
     flags.DEFINE_boolean("xla", True, "jit_compile the training step where TF can.")
     flags.DEFINE_string("model_dir", None, "Config, checkpoints, tokenizer, TensorBoard logs.")
     validate_mesh_flags()
@@ -101,7 +107,9 @@ def config_from_flags() -> NMTConfig:
         eval_every=FLAGS.eval_every, learning_rate_scale=FLAGS.learning_rate_scale,
         warmup_steps=FLAGS.warmup_steps, schedule=FLAGS.schedule,
         label_smoothing=FLAGS.label_smoothing, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-        eval_sentences=FLAGS.eval_sentences, seed=FLAGS.seed).validate()
+        eval_sentences=FLAGS.eval_sentences, seed=FLAGS.seed,
+        num_microbatches=FLAGS.num_microbatches, pipeline_schedule=FLAGS.pipeline_schedule,
+        pipeline_chunks=FLAGS.pipeline_chunks).validate()
 
 
 def resolved_flags() -> str:
@@ -134,7 +142,13 @@ def main(argv):
     try:
         config = config_from_flags()
         mesh = config.mesh.mesh()
-        strategy = strategy_from_flags(mesh)
+        plan = config.pipeline_plan()
+        if plan is None:
+            strategy, devices = strategy_from_flags(mesh), None
+        else:  # the pipeline places its stages itself, outside any strategy
+            import tensorflow as tf
+
+            strategy, devices = tf.distribute.get_strategy(), devices_from_flags(mesh)
         train_pairs, test_pairs = load_pairs(config)
     except (ValueError, FileNotFoundError) as e:
         raise app.UsageError(str(e)) from None
@@ -165,7 +179,7 @@ def main(argv):
             raise ValueError(f"--spm_model has {tokenizer.vocab_size} pieces, which do not split "
                              f"over the {vocab_shards} devices of the vocabulary's mesh axis.")
         model_config = dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size)
-        replicas = strategy.num_replicas_in_sync
+        replicas = strategy.num_replicas_in_sync if plan is None else plan.num_replicas
         # MoE groups must divide each replica's tokens: 8 rows x a multiple of 8 positions.
         multiple = replicas * (8 if model_config.moe_experts else 1)
         # Length buckets of 8 positions on every mesh: the collectives take one key per
@@ -188,7 +202,12 @@ def main(argv):
     # --xla compiles where TF can (one device); elsewhere Keras falls back, and says so.
     warnings.filterwarnings("ignore", "Model doesn't support `jit_compile=True`")
     with strategy.scope():
-        model = Transformer(model_config, name="transformer")
+        if plan is None:
+            model = Transformer(model_config, name="transformer")
+        else:
+            from tfdist.models.transformer_pipeline import pipelined_transformer
+
+            model = pipelined_transformer(model_config, plan, devices)
         if config.schedule == "inverse_sqrt":
             rate = InverseSqrtSchedule(model_config.d_model, config.warmup_steps,
                                        config.learning_rate_scale)
@@ -196,12 +215,18 @@ def main(argv):
             rate = config.learning_rate_scale * 1e-3
         model.compile(keras.optimizers.Adam(rate, beta_2=0.98, epsilon=1e-9),
                       SequenceCrossentropy(model_config.vocab_size, config.label_smoothing),
-                      metrics=[TokenCount()], jit_compile=FLAGS.xla)
+                      metrics=[TokenCount()], jit_compile=FLAGS.xla and plan is None)
+    if plan is None:
+        where = (f"({replicas} replicas); MoE experts {model_config.moe_experts or 'none'}; "
+                 f"weights {device_bytes(model):,} bytes on device 0 of "
+                 f"{4 * model.count_params():,} (Adam's two slots follow the same layout)")
+    else:
+        where = (f"({plan.num_stages} stages x {plan.num_replicas} data replicas, "
+                 f"{plan.schedule_name}, {plan.num_microbatches} micro-batches); weights per "
+                 f"stage {[stage.count_params() for stage in model.stages]}")
     print(f"train_nmt: {len(train_pairs)} training pairs, {len(test_pairs)} held-out; "
           f"vocabulary {tokenizer.vocab_size}; {model.count_params():,} parameters on {mesh} "
-          f"({replicas} replicas); MoE experts {model_config.moe_experts or 'none'}; weights "
-          f"{device_bytes(model):,} bytes on device 0 of {4 * model.count_params():,} "
-          f"(Adam's two slots follow the same layout)", flush=True)
+          f"{where}", flush=True)
 
     fmt = checkpoint.format_named(FLAGS.checkpoint_format)
     backup = BackupAndRestore(os.path.join(model_dir, checkpoint.BACKUP_DIR),

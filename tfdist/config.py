@@ -234,6 +234,8 @@ class NMTConfig:
         beam_size, alpha: decoding for BLEU (beam 1 = greedy).
         eval_sentences: held-out sentences translated at each evaluation.
         seed: data order and initial weights.
+        num_microbatches, pipeline_schedule, pipeline_chunks: the pipeline,
+            when the layout maps `layers` onto a stage axis (`pipeline_plan`).
     """
 
     mesh: MeshConfig = MeshConfig("data:1;model:1", "batch:data;heads:model;d_ff:model;vocab:model")
@@ -260,9 +262,29 @@ class NMTConfig:
     alpha: float = 0.6
     eval_sentences: int = 200
     seed: int = 0
+    num_microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_chunks: int = 1
 
     CORPORA = ("numbers-de", "numbers-fr")
     SCHEDULES = ("inverse_sqrt", "constant")
+
+    def pipeline_plan(self):
+        """The checked `PipelinePlan` when the layout maps `layers` (the encoder's
+        then the decoder's blocks) onto a stage axis, else None."""
+        from tfdist.pipeline.layout import PipelinePlan
+
+        mesh = self.mesh.mesh()
+        if mesh.mesh_axis("layers") is None:
+            if self.num_microbatches != 1 or self.pipeline_chunks != 1:
+                raise ValueError(f"num_microbatches={self.num_microbatches} and pipeline_chunks="
+                                 f"{self.pipeline_chunks} need a stage axis: map 'layers' onto "
+                                 f"one in the layout (e.g. 'layers:stage').")
+            return None
+        model = self.model or TransformerConfig(vocab_size=self.vocab_size)
+        return PipelinePlan.from_mesh(
+            mesh, None, model.num_encoder_layers + model.num_decoder_layers,
+            self.num_microbatches, self.pipeline_schedule, self.pipeline_chunks)
 
     def validate(self) -> "NMTConfig":
         self.mesh.validate()
@@ -293,6 +315,7 @@ class NMTConfig:
             raise ValueError(f"label_smoothing must be in [0, 1); received {self.label_smoothing!r}.")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0; received {self.alpha!r}.")
+        self.pipeline_plan()
         if bool(self.train_src) != bool(self.train_tgt) or bool(self.test_src) != bool(self.test_tgt):
             raise ValueError("Give --train_src with --train_tgt and --test_src with --test_tgt.")
         if (self.train_src or self.train_tsv) and not (self.test_src or self.test_tsv):

@@ -39,8 +39,10 @@ LOGICAL_AXES = (
     "experts",
     "vocab",
     "classes",
+    "layers",
 )
-"""The one vocabulary of logical axes that tfdist layers declare."""
+"""The one vocabulary of logical axes that tfdist layers declare (`layers`: the
+model's stack of layers, split over a pipeline's stage axis, `tfdist.pipeline`)."""
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SEPARATORS = re.compile(r"[,.;\s]+")

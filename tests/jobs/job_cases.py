@@ -304,3 +304,23 @@ def plain_token_mlp_diff(path, state) -> float:
     plain.optimizer.build(plain.trainable_variables)
     checkpoint.load(plain, path)
     return max(float(np.abs(a - b).max()) for a, b in zip(training_state(plain), state))
+
+
+def pipeline(strategy):
+    """Pipeline stages on the strategy's devices (one per process over TF_CONFIG
+    workers: the activations and their gradients cross processes), GPipe and
+    1F1B, against one device accumulating the same batch (tfdist.testing.pipeline)."""
+    from tfdist.pipeline.model import Pipeline
+    from tfdist.testing import pipeline as cases
+
+    devices = list(strategy.devices)
+    reports = []
+    for schedule, m in (("gpipe", 2), ("1f1b", 5)):
+        keras.utils.set_random_seed(m)
+        model = Pipeline(cases.stages(len(devices)), devices=devices, schedule=schedule,
+                         num_microbatches=m, input_shape=(cases.D_IN,))
+        for k, stage in enumerate(model.stages):
+            assert {w.value.device for w in stage.weights} == {devices[k]}, k
+        report = cases.assert_matches_one_device(model, cases.reference(model))
+        reports.append(f"{schedule} p={len(devices)} m={m}: {report}")
+    return "; ".join(reports)

@@ -1,10 +1,9 @@
 """A pipeline over virtual devices trains like one device accumulating the same batch.
 
-The reference is a plain Keras `Sequential` of the same layers on one device,
-given the pipeline's initial weights and trained with Keras's own `fit` on
-whole batches: it shares no code with `tfdist.pipeline`. The pipeline splits
-each batch of 22 rows into m micro-batches (m = 9: sizes 3,3,3,3,2,2,2,2,2)
-and runs GPipe or 1F1B over p devices.
+`tfdist.testing.pipeline` holds the comparison: a plain Keras `Sequential` of
+the same layers on one device (no code shared with `tfdist.pipeline`), given
+the pipeline's initial weights, against the pipeline split into p stages and m
+micro-batches: predict, loss, gradients, 10 Adam steps with `fit`, evaluate.
 """
 
 import keras
@@ -12,42 +11,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfdist.pipeline.layout import PipelinePlan
 from tfdist.pipeline.model import Pipeline
-
-ROWS, BATCH, STEPS, D_IN, D_OUT = 220, 22, 10, 8, 4
-
-
-def _stage(k):
-    return keras.Sequential([keras.layers.Dense(16, activation="tanh", name=f"s{k}_a"),
-                             keras.layers.Dense(16, name=f"s{k}_b")])
+from tfdist.testing.pipeline import (
+    D_IN, D_OUT, assert_matches_one_device, data, reference, relative, stages)
 
 
-def _stages(count):
-    stages = [_stage(k) for k in range(count)]
-    stages[-1].add(keras.layers.Dense(D_OUT, name="head"))
-    return stages
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, D_IN)).astype("float32")
-    y = np.tanh(x @ rng.normal(size=(D_IN, D_OUT))).astype("float32")
-    return x, y
-
-
-def _reference(pipeline):
-    """One device: the same layers (from their configs), the pipeline's weights."""
-    layers = [keras.layers.Dense.from_config(layer.get_config())
-              for stage in pipeline.stages for layer in stage.layers]
-    with tf.device("/cpu:0"):
-        model = keras.Sequential([keras.Input((D_IN,))] + layers)
-    model.set_weights([w for stage in pipeline.stages for w in stage.get_weights()])
-    return model
-
-
-def _relative(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+def _cpus(count, first=1):
+    return [f"/job:localhost/replica:0/task:0/device:CPU:{i + first}" for i in range(count)]
 
 
 CASES = [(schedule, p, m, 1) for schedule in ("gpipe", "1f1b")
@@ -59,48 +30,86 @@ CASES += [("interleaved_1f1b", 2, 3, 2), ("interleaved_1f1b", 4, 3, 2)]
 @pytest.mark.parametrize("schedule,p,m,v", CASES)
 def test_pipeline_matches_one_device_accumulating_the_batch(schedule, p, m, v):
     keras.utils.set_random_seed(p * 10 + m)
-    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i + 1}" for i in range(p)]
-    pipeline = Pipeline(_stages(p * v), devices=devices, schedule=schedule, num_microbatches=m,
+    devices = _cpus(p)
+    pipeline = Pipeline(stages(p * v), devices=devices, schedule=schedule, num_microbatches=m,
                         num_chunks=v, input_shape=(D_IN,))
     for k, stage in enumerate(pipeline.stages):  # every stage's weights on its device
-        assert {v.value.device for v in stage.weights} == {devices[k % p]}
-    reference = _reference(pipeline)
-    initial = reference.get_weights()
-    x, y = _data()
+        assert {w.value.device for w in stage.weights} == {devices[k % p]}
+    print(assert_matches_one_device(pipeline, reference(pipeline)))
 
-    # Forward and predict.
-    np.testing.assert_allclose(pipeline.predict(x, batch_size=BATCH, verbose=0),
-                               reference.predict(x, batch_size=BATCH, verbose=0),
+
+@pytest.mark.parametrize("options", [
+    {"global_clipnorm": 0.05}, {"clipvalue": 0.01}, {"use_ema": True, "ema_overwrite_frequency": 3},
+    {"gradient_accumulation_steps": 2}, {"weight_decay": 0.1}])
+def test_keras_optimizer_options_apply_as_on_one_device(options):
+    """The optimizer sees the whole step's gradients at once, so its options act
+    on the batch's gradient: global clipping by the norm over all stages."""
+    keras.utils.set_random_seed(11)
+    pipeline = Pipeline(stages(2), devices=_cpus(2), schedule="1f1b", num_microbatches=3,
+                        input_shape=(D_IN,))
+    print(assert_matches_one_device(pipeline, reference(pipeline), optimizer=lambda: (
+        keras.optimizers.AdamW(1e-2, **options) if "weight_decay" in options
+        else keras.optimizers.Adam(1e-2, **options))))
+
+
+@pytest.mark.parametrize("mesh_shape,m", [("stage:2;data:2", 5), ("data:2;stage:2", 2)])
+def test_stage_and_data_axes_from_the_layout_match_one_device(mesh_shape, m):
+    """`layers:stage;batch:data`: two pipelines side by side, each on its half
+    of every batch; the stages' variables on data replica 0's devices."""
+    keras.utils.set_random_seed(7)
+    plan = PipelinePlan.from_mesh(mesh_shape, "layers:stage;batch:data", num_layers=8,
+                                  num_microbatches=m, global_batch=22)
+    blocks = [keras.layers.Dense(16, activation="tanh" if j % 2 == 0 else None,
+                                 name=f"block_{j}") for j in range(8)]
+    devices = _cpus(4)
+    pipeline = Pipeline.from_plan(plan, blocks, devices, input_shape=(D_IN,),
+                                  last=[keras.layers.Dense(D_OUT, name="head")])
+    assert pipeline.executor.grid == [tuple(devices[i] for i in plan.stage_devices(s))
+                                      for s in range(2)]
+    for s, stage in enumerate(pipeline.stages):
+        assert {w.value.device for w in stage.weights} == {devices[plan.stage_devices(s)[0]]}
+        assert [layer.name for layer in stage.layers][:4] == [
+            f"block_{j}" for j in plan.layers_of(s)]
+    print(assert_matches_one_device(pipeline, reference(pipeline)))
+
+
+def test_a_functional_model_cut_at_named_layers_matches_it():
+    """Residual connections inside the stages; the cuts after `mid` and `late`."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((D_IN,))
+    h = keras.layers.Dense(16, activation="tanh", name="early")(inputs)
+    h = keras.layers.Add(name="mid")([h, keras.layers.Dense(16, name="mid_a")(h)])
+    h = keras.layers.Add(name="late")([h, keras.layers.Dense(16, activation="tanh",
+                                                             name="late_a")(h)])
+    outputs = keras.layers.Dense(D_OUT, name="out")(keras.layers.Dense(16, name="out_a")(h))
+    model = keras.Model(inputs, outputs)
+    devices = _cpus(3)
+    pipeline = Pipeline.from_model(model, ["mid", "late"], devices=devices, schedule="1f1b",
+                                   num_microbatches=4)
+    assert [sorted(w.path.split("/")[-2] for w in stage.weights) for stage in pipeline.stages] \
+        == [["early", "early", "mid_a", "mid_a"], ["late_a", "late_a"],
+            ["out", "out", "out_a", "out_a"]]
+    for k, stage in enumerate(pipeline.stages):
+        assert {w.value.device for w in stage.weights} == {devices[k]}
+    x, y = data()
+    np.testing.assert_allclose(pipeline.predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-5, atol=1e-6)
+    initial = model.get_weights()
+    for m in (pipeline, model):
+        m.compile(keras.optimizers.Adam(1e-2), "mse")
+    pipeline.fit(x, y, batch_size=22, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=22, shuffle=False, verbose=0)
+    by_name = {tuple(w.path.split("/")[-2:]): w.numpy() for w in model.weights}
+    for stage in pipeline.stages:
+        for w in stage.weights:
+            assert relative(w.numpy(), by_name[tuple(w.path.split("/")[-2:])]) < 1e-5, w.path
+    assert relative(model.get_weights()[0], initial[0]) > 1e-2
 
-    # Loss and gradients of one batch.
-    mse = keras.losses.MeanSquaredError()
-    step = tf.function(lambda a, b: pipeline.executor.loss_and_gradients(
-        a, b, lambda y_i, p_i, w_i: mse(y_i, p_i, w_i)))
-    loss, grads, _ = step(x[:BATCH], y[:BATCH])
-    with tf.GradientTape() as tape:
-        ref_loss = mse(y[:BATCH], reference(x[:BATCH]))
-    ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
-    flat = [g for stage in grads for g in stage]
-    assert len(flat) == len(ref_grads)
-    for g, r in zip(flat, ref_grads):
-        assert _relative(g, r) < 1e-5
-
-    # Ten Adam steps with Keras's fit, loss history and weights.
-    for model in (pipeline, reference):
-        model.compile(keras.optimizers.Adam(1e-2), "mse")
-    history = pipeline.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
-    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
-                                verbose=0).history
-    assert pipeline.optimizer.iterations.numpy() == STEPS
-    assert abs(history["loss"][0] - ref_history["loss"][0]) < 1e-5 * ref_history["loss"][0]
-    for w, r in zip(pipeline.get_weights(), reference.get_weights()):
-        assert _relative(w, r) < 1e-5
-    # The run moved the weights (the comparison is not of initial values).
-    assert _relative(reference.get_weights()[0], initial[0]) > 1e-2
-    assert pipeline.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
-        reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
+    with pytest.raises(ValueError, match=r"split_at names \['nope'\], not layers of"):
+        Pipeline.from_model(model, ["nope"])
+    with pytest.raises(ValueError, match=r"give distinct layers in the model's order, e.g. "
+                                         r"\['mid', 'late'\]"):
+        Pipeline.from_model(model, ["late", "mid"])
 
 
 class _Recorder(keras.layers.Layer):
@@ -109,11 +118,11 @@ class _Recorder(keras.layers.Layer):
 
     def __init__(self, stage, log, **kwargs):
         super().__init__(**kwargs)
-        self.stage, self.log = stage, log
+        self.stage, self.append = stage, log.append  # a list attribute would be copied
 
     def _logged(self, kind, value):
         def record(v):
-            self.log.append((kind, self.stage))
+            self.append((kind, self.stage))
             return v
 
         out = tf.py_function(record, [value], value.dtype)
@@ -134,11 +143,11 @@ def test_each_device_runs_its_actions_in_the_schedules_order(schedule):
     every forward before any backward, 1F1B alternates once warmed up."""
     p, m = 2, 4
     log = []
-    stages = [keras.Sequential([_Recorder(k, log), keras.layers.Dense(4)]) for k in range(p)]
-    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i + 1}" for i in range(p)]
-    pipeline = Pipeline(stages, devices=devices, schedule=schedule, num_microbatches=m,
+    # After a Dense layer: its backward is needed (the kernel's gradient) on every stage.
+    recorded = [keras.Sequential([keras.layers.Dense(4), _Recorder(k, log)]) for k in range(p)]
+    pipeline = Pipeline(recorded, devices=_cpus(p), schedule=schedule, num_microbatches=m,
                         input_shape=(D_IN,))
-    x, y = _data()
+    x, y = data()
     step = tf.function(lambda a, b: pipeline.executor.loss_and_gradients(
         a, b[:, :4], lambda y_i, p_i, w_i: tf.reduce_mean((y_i - p_i) ** 2)))
     step.get_concrete_function(x[:8], y[:8])  # tracing logs nothing
@@ -155,10 +164,93 @@ def test_each_device_runs_its_actions_in_the_schedules_order(schedule):
 
 def test_bad_arguments_are_one_clear_error():
     with pytest.raises(ValueError, match="schedule='pipedream': valid schedules are"):
-        Pipeline(_stages(2), schedule="pipedream", input_shape=(D_IN,))
+        Pipeline(stages(2), schedule="pipedream", input_shape=(D_IN,))
     with pytest.raises(ValueError, match="3 stages do not divide into num_chunks=2"):
-        Pipeline(_stages(3), schedule="interleaved_1f1b", num_chunks=2, input_shape=(D_IN,))
+        Pipeline(stages(3), schedule="interleaved_1f1b", num_chunks=2, input_shape=(D_IN,))
     with pytest.raises(ValueError, match="has 2 devices but 3 were given"):
-        Pipeline(_stages(2), devices=["/cpu:0", "/cpu:1", "/cpu:2"], input_shape=(D_IN,))
+        Pipeline(stages(2), devices=["/cpu:0", "/cpu:1", "/cpu:2"], input_shape=(D_IN,))
     with pytest.raises(ValueError, match="num_microbatches=0: must be an integer >= 1"):
-        Pipeline(_stages(2), num_microbatches=0, input_shape=(D_IN,))
+        Pipeline(stages(2), num_microbatches=0, input_shape=(D_IN,))
+
+
+def test_dropout_draws_one_mask_per_microbatch_as_one_device_looping_over_them():
+    """What "exact" means for dropout: each micro-batch draws its own mask (each
+    Dropout layer's seed advances once per micro-batch, in micro-batch order),
+    so a step equals one device running the same micro-batches one after the
+    other and summing their gradients -- not one device drawing one mask for
+    the whole batch, whose masks differ (checked too)."""
+    p, m, steps = 2, 3, 3
+    keras.utils.set_random_seed(5)
+    with_dropout = [keras.Sequential([keras.layers.Dense(16, activation="tanh"),
+                                      keras.layers.Dropout(0.3, seed=40 + k),
+                                      keras.layers.Dense(16)]) for k in range(p)]
+    with_dropout[-1].add(keras.layers.Dense(D_OUT))
+    pipeline = Pipeline(with_dropout, devices=_cpus(p), schedule="1f1b", num_microbatches=m,
+                        input_shape=(D_IN,))
+    ref = reference(pipeline)
+    whole = reference(pipeline)
+    x, y = data()
+    pipeline.compile(keras.optimizers.SGD(0.1), "mse")
+    pipeline.fit(x[:22 * steps], y[:22 * steps], batch_size=22, shuffle=False, verbose=0)
+
+    optimizer = keras.optimizers.SGD(0.1)
+    for step in range(steps):
+        xb, yb = x[22 * step:22 * (step + 1)], y[22 * step:22 * (step + 1)]
+        total = None
+        for xi, yi in zip(np.array_split(xb, m), np.array_split(yb, m)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((ref(xi, training=True) - yi) ** 2) * len(xi) / len(xb)
+            grads = tape.gradient(loss, ref.trainable_variables)
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        optimizer.apply_gradients(zip(total, ref.trainable_variables))
+    for w, r in zip(pipeline.get_weights(), ref.get_weights()):
+        assert relative(w, r) < 1e-5
+
+    whole.compile(keras.optimizers.SGD(0.1), "mse")
+    whole.fit(x[:22 * steps], y[:22 * steps], batch_size=22, shuffle=False, verbose=0)
+    assert relative(whole.get_weights()[0], ref.get_weights()[0]) > 1e-4
+
+
+class _TiedOutput(keras.layers.Layer):
+    """`h @ kernel^T` with the kernel of a Dense layer on the first stage (tied)."""
+
+    def __init__(self, tied, **kwargs):
+        super().__init__(**kwargs)
+        self.tied = tied
+
+    def call(self, h):
+        return tf.matmul(h, self.tied.kernel, transpose_b=True)
+
+
+def _tied_model(stage_of=None, devices=None, m=1):
+    """Input projection `tied` on stage 0, its transpose as the last stage's
+    output: the tied kernel gets the sum of both stages' gradients."""
+    tied = keras.layers.Dense(16, use_bias=False, name="tied")
+    middle = keras.layers.Dense(16, activation="tanh", name="middle")
+    if stage_of is None:  # one device
+        return keras.Sequential([keras.Input((D_IN,)), tied, middle, _TiedOutput(tied)])
+    return Pipeline([keras.Sequential([tied]), keras.Sequential([middle, _TiedOutput(tied)])],
+                    devices=devices, schedule="1f1b", num_microbatches=m, input_shape=(D_IN,))
+
+
+def test_weights_tied_between_the_first_and_last_stage_get_the_summed_gradient():
+    keras.utils.set_random_seed(9)
+    devices = _cpus(2)
+    pipeline = _tied_model(stage_of=True, devices=devices, m=3)
+    with tf.device("/cpu:0"):
+        ref = _tied_model()
+    tied = pipeline.stages[0].layers[0].kernel
+    assert tied.value.device == devices[0]
+    assert len(pipeline.trainable_variables) == 3 and len(ref.trainable_variables) == 3
+    ref.set_weights(pipeline.get_weights())
+    x, _ = data()
+    for model in (pipeline, ref):
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+    history = pipeline.fit(x, x, batch_size=22, shuffle=False, verbose=0).history
+    ref_history = ref.fit(x, x, batch_size=22, shuffle=False, verbose=0).history
+    assert abs(history["loss"][0] - ref_history["loss"][0]) < 1e-5 * ref_history["loss"][0]
+    for w, r in zip(pipeline.get_weights(), ref.get_weights()):
+        assert relative(w, r) < 1e-5
+    # One update per step: Adam's step count and one pair of slots for the kernel.
+    assert pipeline.optimizer.iterations.numpy() == 10
+    assert len(pipeline.optimizer.variables) == len(ref.optimizer.variables)

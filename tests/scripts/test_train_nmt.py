@@ -58,6 +58,22 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
     assert len(out.stdout.splitlines()) == 2
 
 
+@pytest.mark.slow
+def test_a_pipelined_transformer_trains_and_translates(run_script, tmp_path):
+    """`layers:stage`: the encoder + decoder blocks over 2 stages, 3 micro-batches
+    (1F1B); BLEU from a one-device copy of the pipeline's weights."""
+    model_dir = tmp_path / "run"
+    result = run_script("train_nmt.py", *SMALL, "--mesh_shape=stage:2;data:1",
+                        "--layout=layers:stage;batch:data", "--num_microbatches=3",
+                        "--steps=4", "--eval_every=2", "--dropout=0.1", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not result.stderr.strip(), result.stderr[-3000:]
+    assert "(2 stages x 1 data replicas, 1f1b, 3 micro-batches)" in result.stdout
+    assert re.findall(r"epoch (\d): held-out BLEU", result.stdout) == ["1", "2"]
+    assert "final held-out BLEU" in result.stdout
+    assert "model.npz" in os.listdir(model_dir)
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--num_heads=3"], "num_heads=3 does not divide by the 2 devices of mesh axis 'model'"),
     (["--corpus=numbers-xx"], "corpus must be one of ['numbers-de', 'numbers-fr']"),
@@ -68,6 +84,9 @@ def test_trains_a_few_steps_writes_outputs_resumes_and_translates(run_script, tm
     (["--remat=blocks"], "flag --remat=blocks: value should be one of <none|full|selective>"),
     (["--mesh_shape=data:2;model"], "Malformed mesh shape pair 'model'"),
     (["--checkpoint_format=zip"], "value should be one of <npz|sharded>"),
+    (["--num_microbatches=2"], "num_microbatches=2 and pipeline_chunks=1 need a stage axis"),
+    (["--mesh_shape=stage:3", "--layout=layers:stage"],
+     "num_layers=4 does not split over mesh axis stage:3"),
 ])
 def test_bad_flags_give_one_clear_error(run_script, flags, fragment, assert_one_line_error):
     result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:1;model:2", "--steps=2",

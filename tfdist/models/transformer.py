@@ -300,6 +300,12 @@ class SequenceCrossentropy(keras.losses.Loss):
         tokens = collectives.sum_over_replicas(tf.reduce_sum(weights))  # any strategy
         return tf.reshape(losses * weights, tf.shape(y_true)) / tf.maximum(tokens, 1.0)
 
+    def normalizer(self, y_true):
+        """What the loss averages over in `y_true`: its real (non-padding) tokens.
+
+        A pipeline weights each micro-batch's loss by its share of them."""
+        return tf.reduce_sum(tf.cast(tf.not_equal(y_true, PAD_ID), "float32"))
+
     def get_config(self):
         return {"name": self.name, "vocab_size": self.vocab_size,
                 "label_smoothing": self.label_smoothing}

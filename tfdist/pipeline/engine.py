@@ -20,6 +20,7 @@ Cheat-sheet (see `tfdist.pipeline.schedule`):
     y_s^i   output of stage s; y_s^i = x_{s+1}^i
     L^i     n_i / N * loss(y_{p-1}^i, targets^i): the micro-batch's share of the
             global mean, so that sum_i L^i is the one-device loss of the batch
+            (n_i: rows, or what the loss averages over, e.g. real tokens)
     dy_s^i  dL/dy_s^i (the last stage starts from L^i itself)
 
 The gradients are the sums over micro-batches, which is the one-device
@@ -34,7 +35,7 @@ loss, gradients = executor.loss_and_gradients(x, y, loss_fn)   # in a tf.functio
 ```
 """
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from tfdist.pipeline.schedule import Schedule, check, simulate
 
@@ -72,13 +73,17 @@ class PipelineExecutor:
     Args:
         stages: the stages in order, callables `stage(x, training=...)` with
             `trainable_variables` (Keras layers or models), each built with its
-            variables on its device. One per virtual stage (p * v of them, virtual
-            stage k on device k % p, as in `Schedule`).
-        devices: one TF device name per pipeline rank (p of them).
+            variables on its (first) device. One per virtual stage (p * v of
+            them, virtual stage k on device k % p, as in `Schedule`).
+        devices: one entry per pipeline rank (p of them): a TF device name, or
+            a sequence of R device names to run R pipelines side by side (data
+            parallelism: replica r takes the r-th R-th of the batch's rows and
+            runs stage s on `devices[s][r]`; the variables live on replica 0's
+            device, the others read them and their gradients are summed there).
         schedule: the `Schedule` (checked here).
     """
 
-    def __init__(self, stages: Sequence, devices: Sequence[str], schedule: Schedule):
+    def __init__(self, stages: Sequence, devices: Sequence, schedule: Schedule):
         check(schedule)
         if len(devices) != schedule.num_stages:
             raise ValueError(f"The schedule {schedule.name!r} has {schedule.num_stages} "
@@ -88,13 +93,34 @@ class PipelineExecutor:
                              f"{schedule.num_virtual_stages} stages ({schedule.num_stages} "
                              f"devices x {schedule.num_chunks} chunks) but {len(stages)} "
                              f"stages were given.")
+        grid = [(d,) if isinstance(d, str) else tuple(d) for d in devices]
+        if len({len(g) for g in grid}) != 1 or not grid[0]:
+            raise ValueError(f"Every pipeline rank needs the same number (>= 1) of data "
+                             f"replicas' devices; got {[list(g) for g in grid]}.")
+        flat = [d for g in grid for d in g]
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"A device appears twice among the pipeline's devices {flat}: "
+                             f"each (stage, replica) needs its own device.")
         self.stages = list(stages)
-        self.devices = list(devices)
+        self.grid = grid
+        self.devices = [g[0] for g in grid]
+        self.num_replicas = len(grid[0])
         self.schedule = schedule
         self.order = compute_order(schedule)
 
-    def device_of(self, stage: int) -> str:
-        return self.devices[self.schedule.device_of(stage)]
+    def device_of(self, stage: int, replica: int = 0) -> str:
+        return self.grid[self.schedule.device_of(stage)][replica]
+
+    def _split(self, structure):
+        """Rows per (replica, micro-batch), replica-major: concatenated in this
+        order they are the batch's rows in their order. `structure` may be a
+        tensor or a nest of tensors (e.g. `(source_ids, target_ids)`), split alike."""
+        import tensorflow as tf
+
+        m = self.schedule.num_microbatches
+        columns = [[part for replica in split_rows(t, self.num_replicas)
+                    for part in split_rows(replica, m)] for t in tf.nest.flatten(structure)]
+        return [tf.nest.pack_sequence_as(structure, list(parts)) for parts in zip(*columns)]
 
     def forward(self, x, training: bool = False):
         """The stages applied to `x`, micro-batch by micro-batch, concatenated.
@@ -105,19 +131,20 @@ class PipelineExecutor:
         import tensorflow as tf
 
         m = self.schedule.num_microbatches
-        outputs = split_rows(x, m)
+        outputs = self._split(x)
         for s, stage in enumerate(self.stages):
-            previous = []
-            with tf.device(self.device_of(s)):
-                for i in range(m):
-                    with tf.control_dependencies(previous):
-                        outputs[i] = stage(tf.identity(outputs[i]), training=training)
-                    previous = [outputs[i]]
+            for r in range(self.num_replicas):
+                previous = []
+                with tf.device(self.device_of(s, r)):
+                    for i in range(r * m, (r + 1) * m):
+                        with tf.control_dependencies(previous):
+                            outputs[i] = stage(_received(outputs[i]), training=training)
+                        previous = tf.nest.flatten(outputs[i])
         with tf.device(self.device_of(len(self.stages) - 1)):
             return tf.concat(outputs, axis=0)
 
-    def loss_and_gradients(self, x, y, loss_fn: Callable, sample_weight=None
-                           ) -> Tuple[object, List, object]:
+    def loss_and_gradients(self, x, y, loss_fn: Callable, sample_weight=None,
+                           count_fn: Optional[Callable] = None) -> Tuple[object, List, object]:
         """One step's loss, gradients and outputs, run in the schedule's order.
 
         Args:
@@ -127,59 +154,98 @@ class PipelineExecutor:
                 micro-batch i (a scalar); it is weighted by the micro-batch's share
                 of the rows.
             sample_weight: optional, split like `x`.
+            count_fn: `count_fn(y_i)` -> what the loss averages over in `y_i`
+                (float); micro-batch i's loss is weighted by its count over the
+                batch's. Default: rows (Keras's "sum_over_batch_size" losses);
+                a loss averaging over tokens that are not padding gives their
+                number (`SequenceCrossentropy.normalizer`).
 
         Returns:
             `(loss, gradients, outputs)`: the batch's loss (sum of the micro-batch
             shares), per stage the list of gradients of its `trainable_variables`
-            (summed over micro-batches; `None` where a variable gets none), and the
-            last stage's outputs for the whole batch (for metrics).
+            (summed over micro-batches and replicas; `None` where a variable gets
+            none), and the last stage's outputs for the whole batch (for metrics).
         """
         import tensorflow as tf
 
-        m = self.schedule.num_microbatches
+        m, R = self.schedule.num_microbatches, self.num_replicas
         last = len(self.stages) - 1
-        xs, ys = split_rows(x, m), split_rows(y, m)
-        weights = split_rows(sample_weight, m) if sample_weight is not None else [None] * m
-        rows = tf.cast(tf.shape(x)[0], tf.float32)
+        xs, ys = self._split(x), self._split(y)
+        weights = self._split(sample_weight) if sample_weight is not None else [None] * m * R
+        if count_fn is None:
+            count_fn = lambda t: tf.cast(tf.shape(tf.nest.flatten(t)[0])[0], tf.float32)  # noqa
+        batch_count = count_fn(y)
         variables = [list(stage.trainable_variables) for stage in self.stages]
-        sums = [[None] * len(v) for v in variables]
+        sums = [[[None] * len(v) for v in variables] for _ in range(R)]
         inputs, outputs, tapes, upstream = {}, {}, {}, {}
-        losses, predictions = [None] * m, [None] * m
-        previous = [[] for _ in self.devices]  # the last action's results, per device
+        losses, predictions = [None] * m * R, [None] * m * R
+        previous = {}  # (device, replica) -> the last action's results there
         for action in self.order:
-            s, i = action.stage, action.microbatch
-            d = self.schedule.device_of(s)
-            with tf.device(self.devices[d]), tf.control_dependencies(previous[d]):
-                if action.kind == "forward":
-                    # The receive: stage s - 1's output copied onto this device.
-                    inputs[s, i] = tf.identity(xs[i] if s == 0 else outputs.pop((s - 1, i)))
-                    with tf.GradientTape() as tape:
-                        if s > 0:
-                            tape.watch(inputs[s, i])
-                        out = self.stages[s](inputs[s, i], training=True)
+            s, d = action.stage, self.schedule.device_of(action.stage)
+            for r in range(R):
+                i = r * m + action.microbatch  # the (replica, micro-batch)'s rows
+                with tf.device(self.grid[d][r]), tf.control_dependencies(
+                        previous.get((d, r), [])):
+                    if action.kind == "forward":
+                        # The receive: stage s - 1's output copied onto this device.
+                        inputs[s, i] = _received(xs[i] if s == 0 else outputs.pop((s - 1, i)))
+                        with tf.GradientTape() as tape:
+                            if s > 0:
+                                tape.watch(_differentiable(inputs[s, i]))
+                            out = self.stages[s](inputs[s, i], training=True)
+                            if s == last:
+                                share = count_fn(ys[i]) / batch_count
+                                out = (loss_fn(ys[i], out, weights[i]) * share, out)
+                        tapes[s, i] = (tape, out[0] if s == last else out)
                         if s == last:
-                            share = tf.cast(tf.shape(out)[0], tf.float32) / rows
-                            out = (loss_fn(ys[i], out, weights[i]) * share, out)
-                    tapes[s, i] = (tape, out[0] if s == last else out)
-                    if s == last:
-                        losses[i], predictions[i] = out
-                        previous[d] = [losses[i]]
+                            losses[i], predictions[i] = out
+                            previous[d, r] = [losses[i]]
+                        else:
+                            outputs[s, i] = out
+                            previous[d, r] = tf.nest.flatten(out)
                     else:
-                        outputs[s, i] = out
-                        previous[d] = [out]
-                else:
-                    tape, target = tapes.pop((s, i))
-                    sources = variables[s] + ([inputs[s, i]] if s > 0 else [])
-                    grads = tape.gradient(target, sources,
-                                          output_gradients=upstream.pop((s, i), None))
-                    inputs.pop((s, i))
-                    if s > 0:
-                        upstream[s - 1, i] = grads[-1]
-                    for j, g in enumerate(grads[:len(variables[s])]):
-                        if g is not None:
-                            sums[s][j] = g if sums[s][j] is None else sums[s][j] + g
-                    previous[d] = [g for g in grads if g is not None] or previous[d]
+                        tape, target = tapes.pop((s, i))
+                        received = _differentiable(inputs.pop((s, i))) if s > 0 else []
+                        if s == last:
+                            targets, output_gradients = target, None
+                        else:  # the stage's float outputs and their upstream gradients
+                            targets = _differentiable(target)
+                            output_gradients = [
+                                tf.zeros_like(t) if g is None else g
+                                for t, g in zip(targets, upstream.pop((s, i)))]
+                        grads = tape.gradient(targets, variables[s] + received,
+                                              output_gradients=output_gradients)
+                        if s > 0:
+                            upstream[s - 1, i] = grads[len(variables[s]):]
+                        total = sums[r][s]
+                        for j, g in enumerate(grads[:len(variables[s])]):
+                            if g is not None:
+                                total[j] = g if total[j] is None else total[j] + g
+                        previous[d, r] = [g for g in grads if g is not None] or previous.get(
+                            (d, r), [])
+        gradients = []
+        for s in range(len(self.stages)):
+            with tf.device(self.device_of(s)):  # where the stage's variables live
+                gradients.append([
+                    None if parts[0] is None else parts[0] if R == 1 else tf.add_n(parts)
+                    for parts in zip(*(sums[r][s] for r in range(R)))])
         with tf.device(self.device_of(last)):
             loss = tf.add_n(losses)
             predictions = tf.concat(predictions, axis=0)
-        return loss, sums, predictions
+        return loss, gradients, predictions
+
+
+def _received(structure):
+    """The receive: a stage's input copied onto the device it runs on (under the
+    caller's `tf.device`)."""
+    import tensorflow as tf
+
+    return tf.nest.map_structure(tf.identity, structure)
+
+
+def _differentiable(structure):
+    """The floating-point tensors of a nest, flattened (ids and masks of int
+    type carry no gradient)."""
+    import tensorflow as tf
+
+    return [t for t in tf.nest.flatten(structure) if t.dtype.is_floating]

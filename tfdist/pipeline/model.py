@@ -29,14 +29,17 @@ class Pipeline(keras.Model):
     Args:
         stages: Keras layers or models applied in order (p * num_chunks of them).
             They are built here, each under its device, from `input_shape`.
-        devices: p TF device names, one per pipeline rank (e.g. the mesh's
-            devices over TF_CONFIG workers: one process per stage). Default: the
-            first p logical CPUs (or GPUs) of this process.
+        devices: one entry per pipeline rank (p of them): a TF device name
+            (e.g. the mesh's devices over TF_CONFIG workers: one process per
+            stage), or a tuple of R device names for R data replicas of the
+            pipeline (`PipelineExecutor`). Default: the first p logical CPUs
+            (or GPUs) of this process. `from_plan` takes them from a mesh.
         schedule: `"gpipe"`, `"1f1b"` or `"interleaved_1f1b"`.
         num_microbatches: m >= 1, any number (not only multiples of p).
         num_chunks: virtual stages per device (interleaved only).
-        input_shape: the shape of one input row (without the batch axis).
-        input_dtype: its dtype.
+        input_shape: the shape of one input row (without the batch axis), or
+            a tuple / dict of them for several inputs (e.g. `((Ls,), (Lt,))`).
+        input_dtype: its dtype (or a tuple / dict of them).
 
     Example:
 
@@ -59,28 +62,109 @@ class Pipeline(keras.Model):
         self.stages = list(stages)
         self.schedule_name, self.num_microbatches, self.num_chunks = (
             schedule, num_microbatches, num_chunks)
-        self.row_shape, self.row_dtype = tuple(input_shape), input_dtype
+        self.row_shape, self.row_dtype = _as_tuples(input_shape), input_dtype
         self.executor = PipelineExecutor(self.stages, devices, plan)
         self._build_stages()
+
+    @classmethod
+    def from_plan(cls, plan, blocks: Sequence, devices: Sequence[str], input_shape,
+                  first: Sequence = (), last: Sequence = (), input_dtype="float32", **kwargs):
+        """A pipeline laid out by a `PipelinePlan` (the `layers:stage` layout).
+
+        Args:
+            plan: the checked `tfdist.pipeline.layout.PipelinePlan`.
+            blocks: the stack of `plan.num_layers` unbuilt Keras layers that the
+                `layers` axis splits (e.g. identical Transformer blocks).
+            devices: the mesh's devices, device i of the mesh at index i (e.g.
+                `ClusterConfig.start()`'s list, or this process's CPUs).
+            first, last: layers run before the stack on the first stage (an
+                embedding) and after it on the last (a head).
+        """
+        if len(blocks) != plan.num_layers:
+            raise ValueError(f"The plan splits {plan.num_layers} layers but {len(blocks)} "
+                             f"blocks were given.")
+        if len(devices) != plan.mesh.size:
+            raise ValueError(f"Mesh {plan.mesh.shape} has {plan.mesh.size} devices but "
+                             f"{len(devices)} were given: {list(devices)}.")
+        count = plan.num_stages * plan.num_chunks
+        stages = []
+        for k in range(count):
+            layers = [blocks[j] for j in plan.layers_of(k)]
+            layers = (list(first) if k == 0 else []) + layers + (
+                list(last) if k == count - 1 else [])
+            stages.append(keras.Sequential(layers, name=f"stage_{k}"))
+        grid = [tuple(devices[i] for i in plan.stage_devices(s)) for s in range(plan.num_stages)]
+        return cls(stages, devices=grid, schedule=plan.schedule_name,
+                   num_microbatches=plan.num_microbatches, num_chunks=plan.num_chunks,
+                   input_shape=input_shape, input_dtype=input_dtype, **kwargs)
+
+    @classmethod
+    def from_model(cls, model, split_at: Sequence[str], devices: Optional[Sequence] = None,
+                   **kwargs):
+        """A functional (or Sequential) Keras model cut after the layers named
+        in `split_at`: len(split_at) + 1 stages, each a copy of the model's
+        layers between two cuts built on its device, with the model's weights.
+
+        Only one tensor may cross each cut (the named layer's output, and
+        nothing from before it used after it). The model must have one input.
+        """
+        import tensorflow as tf
+
+        if len(model.inputs) != 1 or len(model.outputs) != 1:
+            raise ValueError(f"Model {model.name!r} has {len(model.inputs)} inputs and "
+                             f"{len(model.outputs)} outputs: Pipeline.from_model cuts models "
+                             f"with one of each.")
+        names = [layer.name for layer in model.layers]
+        unknown = [n for n in split_at if n not in names]
+        if unknown:
+            raise ValueError(f"split_at names {unknown}, not layers of {model.name!r}: "
+                             f"its layers are {names}.")
+        order = sorted(split_at, key=names.index)
+        if list(split_at) != order or len(set(order)) != len(order):
+            raise ValueError(f"split_at={list(split_at)}: give distinct layers in the "
+                             f"model's order, e.g. {order}.")
+        cuts = [model.inputs[0]] + [model.get_layer(n).output for n in order] + model.outputs
+        p = len(cuts) - 1
+        devices = list(devices) if devices is not None else _local_devices(p)
+        kwargs.setdefault("input_shape", tuple(model.inputs[0].shape[1:]))
+        kwargs.setdefault("input_dtype", model.inputs[0].dtype)
+        stages, seen = [], set()
+        for k in range(p):
+            part = keras.Model(cuts[k], cuts[k + 1], name=f"{model.name}_stage_{k}")
+            if {id(w) for w in part.weights} & seen:
+                raise ValueError(f"Stage {k} of {model.name!r} shares weights with an earlier "
+                                 f"stage (tied layers); Pipeline.from_model does not yet sum "
+                                 f"tied weights' gradients across stages.")
+            device = devices[k] if isinstance(devices[k], str) else devices[k][0]
+            with tf.device(device):
+                copy = keras.models.clone_model(part)
+            copy.set_weights(part.get_weights())
+            seen |= {id(w) for w in part.weights}
+            stages.append(copy)
+        return cls(stages, devices=devices, **kwargs)
 
     def _build_stages(self):
         """Builds every stage on its device from one zero row, and checks where
         its variables landed."""
         import tensorflow as tf
 
-        x = tf.zeros((1,) + self.row_shape, self.row_dtype)
+        x = _zero_row(self.row_shape, self.row_dtype)
+        earlier = set()  # weights of earlier stages (tied: they stay where they are)
         for k, stage in enumerate(self.stages):
             device = self.executor.device_of(k)
             with tf.device(device):
                 x = stage(x, training=False)
             wanted = tf.DeviceSpec.from_string(device)
             for v in stage.weights:
+                if id(v) in earlier:
+                    continue
                 placed = tf.DeviceSpec.from_string(v.value.device)
                 if (placed.device_type, placed.device_index, placed.task) != (
                         wanted.device_type, wanted.device_index, wanted.task):
                     raise ValueError(f"Stage {k}'s variable {v.path} was created on "
                                      f"{v.value.device}, not on its device {device}: build "
                                      f"the stage inside Pipeline, not before.")
+            earlier |= {id(v) for v in stage.weights}
         self.built = True
 
     def call(self, x, training=False):
@@ -97,17 +181,28 @@ class Pipeline(keras.Model):
         if self.losses:
             raise ValueError("Pipeline does not yet train layers that add losses "
                              f"(regularizers, add_loss): {len(self.losses)} found.")
-        loss, gradients, y_pred = self.executor.loss_and_gradients(x, y, loss_fn, sample_weight)
-        variables = [v for stage in self.stages for v in stage.trainable_variables]
-        gradients = [g for stage_gradients in gradients for g in stage_gradients]
-        self.optimizer.apply_gradients(zip(gradients, variables))
         import tensorflow as tf
+
+        # A loss that averages over something else than rows (tokens) says so.
+        count_fn = getattr(self.loss, "normalizer", None)
+        loss, gradients, y_pred = self.executor.loss_and_gradients(x, y, loss_fn, sample_weight,
+                                                                   count_fn)
+        # A weight several stages use (tied embeddings) gets the sum of their
+        # gradients, added on its own device, and is updated once.
+        summed = {}
+        for stage, stage_gradients in zip(self.stages, gradients):
+            for v, g in zip(stage.trainable_variables, stage_gradients):
+                if id(v) in summed and g is not None and summed[id(v)][0] is not None:
+                    with tf.device(v.value.device):
+                        g = summed[id(v)][0] + g
+                summed[id(v)] = (g if g is not None else summed.get(id(v), (None,))[0], v)
+        self.optimizer.apply_gradients(summed.values())
 
         # The history's "loss": Keras's own tracker (the first of `metrics` once
         # compiled), weighted by the batch's rows as Keras's `train_step` does.
         tracker = next(m for m in self.metrics if m.name == "loss")
         tracker.update_state(loss / self.optimizer.scale_loss(tf.constant(1.0)),
-                             sample_weight=tf.shape(x)[0])
+                             sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
@@ -132,3 +227,23 @@ def _local_devices(count: int):
                          f"{len(found)} devices ({found}); give `devices` or split the CPU "
                          f"(tfdist.devices.split_cpu).")
     return found[:count]
+
+
+def _as_tuples(shape):
+    """Lists (from a config) back to tuples: a shape, or a tuple / dict of shapes."""
+    if isinstance(shape, dict):
+        return {k: _as_tuples(v) for k, v in shape.items()}
+    return tuple(_as_tuples(d) if isinstance(d, (list, tuple, dict)) else d for d in shape)
+
+
+def _zero_row(shape, dtype):
+    """One row of zeros of each input (the stages are built from it)."""
+    import tensorflow as tf
+
+    if isinstance(shape, dict):
+        return {k: _zero_row(v, dtype[k] if isinstance(dtype, dict) else dtype)
+                for k, v in shape.items()}
+    if shape and not isinstance(shape[0], int):
+        return tuple(_zero_row(s, dtype[i] if isinstance(dtype, (list, tuple)) else dtype)
+                     for i, s in enumerate(shape))
+    return tf.zeros((1,) + tuple(shape), dtype)

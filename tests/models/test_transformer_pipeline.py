@@ -1,0 +1,95 @@
+"""tfdist's Transformer cut into pipeline stages trains like the unpipelined Transformer.
+
+The reference is `Transformer(config)` on one device, given the pipeline's
+initial weights by path, trained by Keras's `fit` on whole batches: the loss
+is the mean over the batch's real tokens, so the pipeline weights each
+micro-batch's loss by its share of them (`SequenceCrossentropy.normalizer`).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.models.transformer import SequenceCrossentropy, Transformer
+from tfdist.models.transformer_layers import TransformerConfig
+from tfdist.models.transformer_pipeline import transformer_stages, transformer_weights
+from tfdist.pipeline.layout import PipelinePlan
+from tfdist.pipeline.model import Pipeline
+from tfdist.testing.pipeline import relative
+
+V, BATCH, LS, LT, STEPS = 32, 10, 8, 7, 10
+
+
+def _batches(steps, seed=0):
+    """Padded pairs of varying lengths: micro-batches hold different token counts."""
+    rng = np.random.default_rng(seed)
+    n = steps * BATCH
+    src = rng.integers(3, V, size=(n, LS)).astype("int32")
+    tgt = rng.integers(3, V, size=(n, LT)).astype("int32")
+    for i in range(n):
+        src[i, rng.integers(2, LS):] = 0
+        cut = rng.integers(1, LT)
+        tgt[i, cut] = 2
+        tgt[i, cut + 1:] = 0
+    decoder_input = np.concatenate([np.ones((n, 1), "int32"), tgt[:, :-1]], axis=1)
+    decoder_input[decoder_input == 2] = 0
+    return (src, decoder_input), tgt
+
+
+@pytest.mark.parametrize("stages,m,overrides", [
+    (2, 3, {}),
+    (4, 4, {"share_embeddings": False, "positions": "learned"}),
+])
+def test_pipelined_transformer_matches_one_device(stages, m, overrides):
+    keras.utils.set_random_seed(stages)
+    config = TransformerConfig(vocab_size=V, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                               num_encoder_layers=2, num_decoder_layers=2, max_length=16,
+                               dropout=0.0, **overrides)
+    plan = PipelinePlan.from_mesh(f"stage:{stages}", "layers:stage", num_layers=4,
+                                  num_microbatches=m, global_batch=BATCH)
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i + 1}" for i in range(stages)]
+    pipeline = Pipeline(transformer_stages(config, plan), devices=devices, schedule="1f1b",
+                        num_microbatches=m, input_shape=((LS,), (LT,)),
+                        input_dtype=("int32", "int32"))
+    # The tied table on the first stage that uses it; every block on its stage's device.
+    weights = transformer_weights(pipeline.stages)
+    assert weights["target_embedding/embeddings"].value.device == devices[0 if stages == 2
+                                                                           else 1]
+    assert weights["decoder_1/ffn/outer/kernel"].value.device == devices[-1]
+    with tf.device("/cpu:0"):
+        ref = Transformer(config)
+    ref_paths = {"/".join(v.path.split("/")[1:]): v for v in ref.weights}
+    assert sorted(ref_paths) == sorted(weights)
+    for path, v in ref_paths.items():
+        v.assign(weights[path])
+
+    initial = ref_paths["encoder_0/ffn/inner/kernel"].numpy()
+    x, y = _batches(STEPS)
+    loss = SequenceCrossentropy(V, label_smoothing=0.1)
+    np.testing.assert_allclose(pipeline.predict(x, batch_size=BATCH, verbose=0),
+                               ref.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-5)
+    for model in (pipeline, ref):
+        model.compile(keras.optimizers.Adam(1e-3), loss)
+    history = pipeline.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    ref_history = ref.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert abs(history["loss"][0] - ref_history["loss"][0]) < 1e-5 * ref_history["loss"][0]
+    errors = {path: relative(weights[path], v) for path, v in ref_paths.items()}
+    worst = max(errors, key=errors.get)
+    print(f"p={stages} m={m} {overrides}: weights after {STEPS} Adam steps, worst "
+          f"{errors[worst]:.1e} ({worst})")
+    assert errors[worst] < 1e-5, (worst, errors[worst])
+    assert relative(ref_paths["encoder_0/ffn/inner/kernel"], initial) > 1e-3  # trained
+    assert pipeline.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
+        ref.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
+
+
+def test_a_transformer_that_does_not_split_is_one_clear_error():
+    config = TransformerConfig(vocab_size=V, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                               num_encoder_layers=2, num_decoder_layers=1)
+    plan = PipelinePlan.from_mesh("stage:2", "layers:stage", num_layers=4, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"The plan splits 4 layers but the Transformer has 2 "
+                                         r"encoder \+ 1 decoder blocks = 3"):
+        transformer_stages(config, plan)
+    with pytest.raises(ValueError, match=r"num_layers=3 does not split over mesh axis stage:2"):
+        PipelinePlan.from_mesh("stage:2", "layers:stage", num_layers=3, num_microbatches=2)
