@@ -245,6 +245,10 @@ def main(argv):
               steps_per_epoch=config.eval_every, verbose=2 if not sys.stdout.isatty() else 1,
               callbacks=callbacks, shuffle=False)  # the dataset shuffles itself
     bleu, _ = evaluation.evaluate() if not evaluation.history else (evaluation.history[-1], None)
+    if plan is not None:  # the final weights as a Transformer's: they load onto any mesh
+        from tfdist.models.transformer_pipeline import one_device_copy
+
+        model = one_device_copy(model)
     checkpoint.save(model, checkpoint.final_path(model_dir, fmt), with_optimizer=False, fmt=fmt)
     if chief:
         print(f"final held-out BLEU {bleu:.1f} ({tokenize}; {len(evaluation.pairs)} sentences, beam "

@@ -195,7 +195,7 @@ class ClusterConfig:
         return self.start(per_worker)
 
     def start(self, devices_per_worker: Optional[int] = None, threads: int = 0,
-              grace_s: float = 10.0):
+              grace_s: float = 10.0, inter_op_threads: Optional[int] = None):
         """Joins the cluster. Returns the mesh devices on the controller.
 
         The devices are each task's GPUs when the tasks have GPUs (NCCL
@@ -208,6 +208,11 @@ class ClusterConfig:
             devices_per_worker: logical CPU devices of each task (default:
                 `TFDIST_DEVICES_PER_WORKER` as set by `python -m tfdist.launch`, else 1).
             threads: intra- and inter-op threads of each task (0: TF's default).
+            inter_op_threads: inter-op threads, if not `threads`. A pipeline
+                stage pinned to one core wants 1 intra-op thread and 2 inter-op
+                threads: with one, TF's executor runs a device's chain of
+                micro-batches inline before the sends of their outputs, and the
+                next stage waits for all of them (bench/pipeline.py).
         """
         import tensorflow as tf
 
@@ -216,14 +221,16 @@ class ClusterConfig:
         devices_per_worker = devices_per_worker or devices_per_worker_from_env()
         if devices_per_worker > 1:
             split_cpu(devices_per_worker)
+        inter = inter_op_threads or threads
         if threads:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
-            tf.config.threading.set_inter_op_parallelism_threads(threads)
+        if inter:
+            tf.config.threading.set_inter_op_parallelism_threads(inter)
         # Every task, the controller's included, runs a server that owns its
         # mesh devices; the controller's program is a separate client of the
         # cluster (job "localhost"), as a TPUStrategy program is of its TPUs.
         config = tf.compat.v1.ConfigProto(
-            intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads,
+            intra_op_parallelism_threads=threads, inter_op_parallelism_threads=inter,
             device_count={"CPU": devices_per_worker})
         tf.distribute.Server(self.cluster_spec(), job_name=self.task_type,
                              task_index=self.task_index, config=config, start=True)

@@ -137,8 +137,9 @@ class PipelineExecutor:
                 previous = []
                 with tf.device(self.device_of(s, r)):
                     for i in range(r * m, (r + 1) * m):
+                        received = _received(outputs[i])  # not held back by the order
                         with tf.control_dependencies(previous):
-                            outputs[i] = stage(_received(outputs[i]), training=training)
+                            outputs[i] = stage(received, training=training)
                         previous = tf.nest.flatten(outputs[i])
         with tf.device(self.device_of(len(self.stages) - 1)):
             return tf.concat(outputs, axis=0)
@@ -170,11 +171,14 @@ class PipelineExecutor:
 
         m, R = self.schedule.num_microbatches, self.num_replicas
         last = len(self.stages) - 1
-        xs, ys = self._split(x), self._split(y)
-        weights = self._split(sample_weight) if sample_weight is not None else [None] * m * R
-        if count_fn is None:
-            count_fn = lambda t: tf.cast(tf.shape(tf.nest.flatten(t)[0])[0], tf.float32)  # noqa
-        batch_count = count_fn(y)
+        with tf.device(self.device_of(0)):  # the inputs where the first stage reads them
+            xs = self._split(x)
+        with tf.device(self.device_of(last)):  # the targets where the loss is
+            ys = self._split(y)
+            weights = self._split(sample_weight) if sample_weight is not None else [None] * m * R
+            if count_fn is None:
+                count_fn = lambda t: tf.cast(tf.shape(tf.nest.flatten(t)[0])[0], tf.float32)  # noqa
+            batch_count = count_fn(y)
         variables = [list(stage.trainable_variables) for stage in self.stages]
         sums = [[[None] * len(v) for v in variables] for _ in range(R)]
         inputs, outputs, tapes, upstream = {}, {}, {}, {}
@@ -184,11 +188,19 @@ class PipelineExecutor:
             s, d = action.stage, self.schedule.device_of(action.stage)
             for r in range(R):
                 i = r * m + action.microbatch  # the (replica, micro-batch)'s rows
+                if action.kind == "forward":
+                    # The receive: stage s - 1's output copied onto this device as
+                    # soon as it is ready (outside the device's order, so that a
+                    # transfer never waits for the compute before it).
+                    with tf.device(self.grid[d][r]):
+                        inputs[s, i] = _received(xs[i] if s == 0 else outputs.pop((s - 1, i)))
+                elif s != last:  # the receive of the gradients of its outputs, likewise
+                    with tf.device(self.grid[d][r]):
+                        upstream[s, i] = [None if g is None else tf.identity(g)
+                                          for g in upstream[s, i]]
                 with tf.device(self.grid[d][r]), tf.control_dependencies(
                         previous.get((d, r), [])):
                     if action.kind == "forward":
-                        # The receive: stage s - 1's output copied onto this device.
-                        inputs[s, i] = _received(xs[i] if s == 0 else outputs.pop((s - 1, i)))
                         with tf.GradientTape() as tape:
                             if s > 0:
                                 tape.watch(_differentiable(inputs[s, i]))

@@ -159,8 +159,9 @@ class Pipeline(keras.Model):
                 if id(v) in earlier:
                     continue
                 placed = tf.DeviceSpec.from_string(v.value.device)
-                if (placed.device_type, placed.device_index, placed.task) != (
-                        wanted.device_type, wanted.device_index, wanted.task):
+                fields = ("job", "replica", "task", "device_type", "device_index")
+                if any(getattr(wanted, f) is not None and getattr(wanted, f) != getattr(placed, f)
+                       for f in fields):
                     raise ValueError(f"Stage {k}'s variable {v.path} was created on "
                                      f"{v.value.device}, not on its device {device}: build "
                                      f"the stage inside Pipeline, not before.")
