@@ -75,6 +75,7 @@ def test_the_entries_are_well_formed():
         assert (hook.kind == "set") == (hook.source is not None), hook.target
         if hook.original is not None:
             assert hook.kind == "replaced", hook.target
+            MeshStrategy("data:1")  # installs the hooks (else this depends on earlier tests)
             hooks._resolve(hook.original)  # the module keeps it there
         if hook.sha256 is None:
             hooks._resolve(hook.target)  # checked by its tests; it must exist

@@ -24,12 +24,15 @@ split), trained with `SequenceCrossentropy`; `transformer_weights` maps
 weights to a `Transformer`'s by path, to load or compare.
 """
 
+import weakref
+
 import keras
 import tensorflow as tf
 
 from tfdist.layers import ShardedEmbedding
 from tfdist.models.transformer import PAD_ID
 from tfdist.models.transformer_layers import DecoderBlock, EncoderBlock, sinusoids
+from tfdist.pipeline.model import Pipeline
 
 
 class TransformerStage(keras.layers.Layer):
@@ -162,41 +165,49 @@ def transformer_weights(stages):
 
 
 def pipelined_transformer(config, plan, devices, max_source_length=None, max_target_length=None):
-    """A `Pipeline` of `config`'s Transformer laid out by `plan` over `devices`
-    (the mesh's devices, device i at index i), with `translate` like
-    `Transformer`'s: decoding runs on a one-device `Transformer` holding the
-    pipeline's current weights (copied when `translate` is called).
+    """A `TransformerPipeline` of `config`'s Transformer laid out by `plan` over
+    `devices` (the mesh's devices, device i at index i).
 
     Inputs: `(source_ids [b, Ls], decoder_input_ids [b, Lt])`, as `Transformer`.
     """
-    from tfdist.pipeline.model import Pipeline
-
     if len(devices) != plan.mesh.size:
         raise ValueError(f"Mesh {plan.mesh.shape} has {plan.mesh.size} devices but "
                          f"{len(devices)} were given: {list(devices)}.")
     grid = [tuple(devices[i] for i in plan.stage_devices(s)) for s in range(plan.num_stages)]
     ls = max_source_length or config.max_length
     lt = max_target_length or config.max_length
-    model = Pipeline(transformer_stages(config, plan), devices=grid, schedule=plan.schedule_name,
-                     num_microbatches=plan.num_microbatches, num_chunks=plan.num_chunks,
-                     input_shape=((ls,), (lt,)), input_dtype=("int32", "int32"))
-    model.model_config = config
-    model.translate = lambda *args, **kwargs: one_device_copy(model).translate(*args, **kwargs)
-    return model
+    return TransformerPipeline(config, transformer_stages(config, plan), devices=grid,
+                               schedule=plan.schedule_name,
+                               num_microbatches=plan.num_microbatches,
+                               num_chunks=plan.num_chunks, input_shape=((ls,), (lt,)),
+                               input_dtype=("int32", "int32"))
+
+
+class TransformerPipeline(Pipeline):
+    """A pipelined Transformer with `translate` like `Transformer`'s: decoding
+    runs on a one-device `Transformer` holding the pipeline's current weights
+    (`one_device_copy`, refreshed on each call)."""
+
+    def __init__(self, config, stages, **kwargs):
+        super().__init__(stages, **kwargs)
+        self.model_config = config
+
+    def translate(self, *args, **kwargs):
+        return one_device_copy(self).translate(*args, **kwargs)
+
+
+_COPIES = weakref.WeakKeyDictionary()  # pipeline -> its one-device Transformer
 
 
 def one_device_copy(pipeline, device="/cpu:0"):
-    """A `Transformer` on one device holding `pipeline`'s weights (kept on the
-    pipeline and refreshed on every call)."""
+    """A `Transformer` on one device holding `pipeline`'s weights (made once
+    per pipeline, its weights refreshed on every call)."""
     from tfdist.models.transformer import Transformer
 
-    copy = getattr(pipeline, "_one_device_copy", None)
+    copy = _COPIES.get(pipeline)
     if copy is None:
-        import tensorflow as tf
-
         with tf.device(device):
-            copy = Transformer(pipeline.model_config, name="transformer")
-        object.__setattr__(pipeline, "_one_device_copy", copy)  # not tracked by Keras
+            copy = _COPIES[pipeline] = Transformer(pipeline.model_config, name="transformer")
     weights = transformer_weights(pipeline.stages)
     for v in copy.weights:
         v.assign(weights["/".join(v.path.split("/")[1:])])
