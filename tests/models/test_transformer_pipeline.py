@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from tfdist.models.transformer import SequenceCrossentropy, Transformer
 from tfdist.models.transformer_layers import TransformerConfig
-from tfdist.models.transformer_pipeline import transformer_stages, transformer_weights
+from tfdist.models.transformer_pipeline import (
+    TransformerPipeline, pipelined_transformer, transformer_stages, transformer_weights)
 from tfdist.pipeline.layout import PipelinePlan
 from tfdist.pipeline.model import Pipeline
 from tfdist.testing.pipeline import relative
@@ -93,3 +94,22 @@ def test_a_transformer_that_does_not_split_is_one_clear_error():
         transformer_stages(config, plan)
     with pytest.raises(ValueError, match=r"num_layers=3 does not split over mesh axis stage:2"):
         PipelinePlan.from_mesh("stage:2", "layers:stage", num_layers=3, num_microbatches=2)
+
+
+def test_config_round_trip_and_weights_saved_and_loaded(tmp_path):
+    config = TransformerConfig(vocab_size=V, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                               num_encoder_layers=2, num_decoder_layers=2, max_length=16,
+                               dropout=0.0)
+    plan = PipelinePlan.from_mesh("stage:2", "layers:stage", num_layers=4, num_microbatches=2)
+    devices = ["/job:localhost/replica:0/task:0/device:CPU:1",
+               "/job:localhost/replica:0/task:0/device:CPU:2"]
+    model = pipelined_transformer(config, plan, devices, LS, LT)
+    model.save_weights(tmp_path / "p.weights.h5")
+    again = TransformerPipeline.from_config(model.get_config())
+    assert again.model_config == config and len(again.stages) == 2
+    assert again.schedule_name == "1f1b" and again.num_microbatches == 2
+    again.load_weights(tmp_path / "p.weights.h5")
+    x, _ = _batches(1)
+    np.testing.assert_array_equal(again.predict(x, verbose=0), model.predict(x, verbose=0))
+    # translate runs on a one-device copy of the current weights
+    assert model.translate(x[0][:2], beam_size=1, max_length=6, jit_compile=False).shape == (2, 6)

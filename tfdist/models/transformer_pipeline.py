@@ -24,6 +24,7 @@ split), trained with `SequenceCrossentropy`; `transformer_weights` maps
 weights to a `Transformer`'s by path, to load or compare.
 """
 
+import dataclasses
 import weakref
 
 import keras
@@ -69,6 +70,19 @@ class TransformerStage(keras.layers.Layer):
             epsilon=1e-6, name="decoder_norm") if self.projects else None
         self.drop = keras.layers.Dropout(c.dropout)
         self.table = tf.constant(sinusoids(c.max_length, c.d_model))
+
+    def get_config(self):
+        """This stage's place in the stack; the layers it shares with other stages
+        (the tied embeddings) are rebuilt by `TransformerPipeline.from_config`."""
+        return {**super().get_config(), "config": dataclasses.asdict(self.model_config),
+                "blocks": [self.blocks_range.start, self.blocks_range.stop],
+                "stage": self.stage, "num_stages": self.num_stages}
+
+    @classmethod
+    def from_config(cls, config):
+        raise ValueError("A TransformerStage shares its embeddings with the other stages: "
+                         "rebuild the whole pipeline (TransformerPipeline.from_config, or "
+                         "transformer_stages(config, plan)), not one stage.")
 
     def build(self, input_shape=None):
         shape = (None, None, self.model_config.d_model)
@@ -194,6 +208,25 @@ class TransformerPipeline(Pipeline):
 
     def translate(self, *args, **kwargs):
         return one_device_copy(self).translate(*args, **kwargs)
+
+    def get_config(self):
+        config = super().get_config()
+        del config["stages"]  # rebuilt from the Transformer's config (tied embeddings)
+        return {**config, "config": dataclasses.asdict(self.model_config),
+                "num_stages": len(self.stages) // self.num_chunks}
+
+    @classmethod
+    def from_config(cls, config):
+        from tfdist.models.transformer_layers import TransformerConfig
+        from tfdist.pipeline.layout import PipelinePlan
+
+        config = dict(config)
+        model = TransformerConfig(**config.pop("config"))
+        p = config.pop("num_stages")
+        plan = PipelinePlan.from_mesh(
+            f"stage:{p}", "layers:stage", model.num_encoder_layers + model.num_decoder_layers,
+            config["num_microbatches"], config["schedule"], config["num_chunks"])
+        return cls(model, transformer_stages(model, plan), **config)
 
 
 _COPIES = weakref.WeakKeyDictionary()  # pipeline -> its one-device Transformer
