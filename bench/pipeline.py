@@ -17,7 +17,8 @@ live tensors) and a larger batch, each stage's rise of the peak RSS during a
 step over the RSS before it (activations and gradients; the weights and Adam
 slots were there before), 1F1B's over GPipe's against min(p-s, m)/m.
 
-    python bench/pipeline.py [--steps 6] [--microbatches 2,4,8,16] [--memory_batch 8192]
+    python bench/pipeline.py [--steps 6] [--repeats 3] [--microbatches 2,4,8,16]
+                             [--memory_batch 8192]
 """
 
 import argparse
@@ -126,6 +127,12 @@ def job(args):
         json.dump({"s_per_step": seconds, "rss_rise": rise, "cpu_s_per_step": cpu}, f)
 
 
+def _median_run(repeats, *args, **kwargs):
+    """The run of median seconds per step among `repeats` fresh jobs."""
+    runs = sorted((_run(*args, **kwargs) for _ in range(repeats)), key=lambda r: r["s_per_step"])
+    return runs[len(runs) // 2]
+
+
 def _run(case, m, processes, steps, batch, tmp, controller_apart=False):
     from tfdist.launch.local import run_local
 
@@ -143,6 +150,7 @@ def _run(case, m, processes, steps, batch, tmp, controller_apart=False):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3, help="jobs per case; the median")
     parser.add_argument("--microbatches", default="2,4,8,16")
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--memory_batch", type=int, default=8192)
@@ -160,17 +168,18 @@ def main():
 
     ms = [int(m) for m in args.microbatches.split(",")]
     print(f"Pipeline over processes: {LAYERS} Dense layers {WIDTH} wide, batch {args.batch}, "
-          f"Adam, {args.steps} timed steps; one core, one intra-op thread per process")
+          f"Adam, {args.steps} timed steps, median of {args.repeats} jobs per case; one core, "
+          f"one intra-op thread per process")
     with tempfile.TemporaryDirectory() as tmp:
-        base = _run("keras", 1, 1, args.steps, args.batch, tmp)["s_per_step"]
+        base = _median_run(args.repeats, "keras", 1, 1, args.steps, args.batch, tmp)["s_per_step"]
         print(f"{'case':<12}{'processes':>10}{'s/step':>9}{'speed-up':>10}{'bubble':>9}"
               f"{'analytic':>10}{'CPU s/step per process':>26}")
         print(f"{'keras':<12}{1:>10}{base:>9.3f}{1.0:>10.2f}", flush=True)
         for m in ms:
-            one = _run("one", m, 1, args.steps, args.batch, tmp)["s_per_step"]
+            one = _median_run(args.repeats, "one", m, 1, args.steps, args.batch, tmp)["s_per_step"]
             print(f"{'one m=' + str(m):<12}{1:>10}{one:>9.3f}{base / one:>10.2f}", flush=True)
             for case in ("gpipe", "1f1b"):
-                r = _run(case, m, 2, args.steps, args.batch, tmp)
+                r = _median_run(args.repeats, case, m, 2, args.steps, args.batch, tmp)
                 bubble = 1 - (one / 2) / r["s_per_step"]
                 print(f"{case + ' m=' + str(m):<12}{2:>10}{r['s_per_step']:>9.3f}"
                       f"{base / r['s_per_step']:>10.2f}{bubble:>9.2f}"
