@@ -52,6 +52,10 @@ that fails first, loudly, when a TF or Keras upgrade moves the hook:
 - `keras_loop_reads`: split weights read inside a loop of a Keras call (an RNN's
   cell, `keras.ops.while_loop`) read once before the loop; tfdist collectives
   inside such a loop refused, naming the layer.
+- `keras_graph`: a functional model's graph read to cut it into pipeline
+  stages (nested functional models inlined, the tensors crossing each cut).
+- `keras_hub_configs`: the config of keras-hub 0.32's Llama decoder block,
+  whose own `get_config` raises (to clone it onto a stage's device).
 - `keras_remat`: recomputation with the forward pass's random numbers, variable
   updates, losses and call context (`keras.remat`, `keras.RematScope` on TF).
 """

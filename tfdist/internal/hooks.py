@@ -443,6 +443,20 @@ HOOKS: Tuple[Hook, ...] = (
     Hook("tensorflow.raw_ops.StatelessTruncatedNormalV2", "tensorflow", "mirrored", _SLICES,
          "Philox counters of a box of the value (a C++ kernel: checked by value)", None,
          tests=_SLICES_TESTS),
+    # -- a functional model's graph, cut into pipeline stages --------------------------
+    Hook("keras.src.ops.node.Node.__init__", "keras", "relied on", (_I + "keras_graph",),
+         "a tensor's _keras_history and its operation's _inbound_nodes (the call's arguments)",
+         "040f39aadf6f17e349fc70939050031e4c6b861b4282989bd8c66fe4ff247c4a",
+         tests=("tests/internal/test_keras_graph.py",)),
+    Hook("keras.src.ops.symbolic_arguments.SymbolicArguments.fill_in", "keras", "relied on",
+         (_I + "keras_graph",), "a call replayed on the inlined tensors",
+         "c63004bedd31717271196ad77a65ba4673b6837027abf515694843fef251e25f",
+         tests=("tests/internal/test_keras_graph.py",)),
+    Hook("keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder.get_config",
+         "keras_hub", "mirrored", (_I + "keras_hub_configs",),
+         "reads an attribute __init__ never sets: the config built from the attributes",
+         "3db7d4c77ff382dfe482fb1d5933a9e5afcbad1434e8d7fcb97e41b87a4ce14e",
+         tests=("tests/internal/test_keras_hub_configs.py",)),
 )
 
 

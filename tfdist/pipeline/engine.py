@@ -35,6 +35,7 @@ loss, gradients = executor.loss_and_gradients(x, y, loss_fn)   # in a tf.functio
 ```
 """
 
+import functools
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from tfdist.pipeline.schedule import Schedule, check, simulate
@@ -232,19 +233,30 @@ class PipelineExecutor:
                         total = sums[r][s]
                         for j, g in enumerate(grads[:len(variables[s])]):
                             if g is not None:
-                                total[j] = g if total[j] is None else total[j] + g
+                                total[j] = g if total[j] is None else add_gradients(total[j], g)
                         previous[d, r] = [g for g in grads if g is not None] or previous.get(
                             (d, r), [])
         gradients = []
         for s in range(len(self.stages)):
             with tf.device(self.device_of(s)):  # where the stage's variables live
                 gradients.append([
-                    None if parts[0] is None else parts[0] if R == 1 else tf.add_n(parts)
+                    None if parts[0] is None else functools.reduce(add_gradients, parts)
                     for parts in zip(*(sums[r][s] for r in range(R)))])
         with tf.device(self.device_of(last)):
             loss = tf.add_n(losses)
             predictions = tf.concat(predictions, axis=0)
         return loss, gradients, predictions
+
+
+def add_gradients(a, b):
+    """The sum of two gradients of one variable: `IndexedSlices` (an embedding
+    lookup's) stay sparse when both are (their rows concatenated), otherwise dense."""
+    import tensorflow as tf
+
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                                tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def _received(structure):

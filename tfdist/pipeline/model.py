@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import keras
 
-from tfdist.pipeline.engine import PipelineExecutor
+from tfdist.pipeline.engine import PipelineExecutor, add_gradients
 from tfdist.pipeline.schedule import SCHEDULE_NAMES, make_schedule
 
 
@@ -105,16 +105,26 @@ class Pipeline(keras.Model):
         in `split_at`: len(split_at) + 1 stages, each a copy of the model's
         layers between two cuts built on its device, with the model's weights.
 
-        Only one tensor may cross each cut (the named layer's output, and
-        nothing from before it used after it). The model must have one input.
+        Nested functional models are inlined first, so a keras-hub `CausalLM`
+        is cut between its backbone's decoder blocks
+        (`split_at=["transformer_layer_3"]`). Whatever a later stage reads from
+        before a cut crosses it with the cut layer's output (a padding mask every
+        block reads travels along; integer tensors get no gradient). A layer used
+        on both sides of a cut (the token embedding a CausalLM's head reuses)
+        stays on the first stage that uses it and gets the sum of the stages'
+        gradients. The model may have several inputs (a dict: `fit` takes the
+        same `x`) and must have one output.
         """
         import tensorflow as tf
 
-        if len(model.inputs) != 1 or len(model.outputs) != 1:
-            raise ValueError(f"Model {model.name!r} has {len(model.inputs)} inputs and "
-                             f"{len(model.outputs)} outputs: Pipeline.from_model cuts models "
-                             f"with one of each.")
-        names = [layer.name for layer in model.layers]
+        from tfdist.internal.keras_graph import crossings, inline
+        from tfdist.internal.keras_hub_configs import layer_config
+
+        if len(model.outputs) != 1:
+            raise ValueError(f"Model {model.name!r} has {len(model.outputs)} outputs: "
+                             f"Pipeline.from_model cuts models with one output.")
+        flat = inline(model)
+        names = [layer.name for layer in flat.layers]
         unknown = [n for n in split_at if n not in names]
         if unknown:
             raise ValueError(f"split_at names {unknown}, not layers of {model.name!r}: "
@@ -123,23 +133,40 @@ class Pipeline(keras.Model):
         if list(split_at) != order or len(set(order)) != len(order):
             raise ValueError(f"split_at={list(split_at)}: give distinct layers in the "
                              f"model's order, e.g. {order}.")
-        cuts = [model.inputs[0]] + [model.get_layer(n).output for n in order] + model.outputs
-        p = len(cuts) - 1
+        cuts = []
+        for n in order:
+            try:
+                cuts.append(flat.get_layer(n).output)
+            except (AttributeError, ValueError) as error:
+                raise ValueError(f"split_at names {n!r}, a layer called more than once in "
+                                 f"{model.name!r}; cut after a layer called once.") from error
+        inputs = keras.tree.flatten(flat.input)
+        boundaries = crossings(inputs, cuts, flat.outputs)
+        p = len(boundaries) - 1
         devices = list(devices) if devices is not None else _local_devices(p)
-        kwargs.setdefault("input_shape", tuple(model.inputs[0].shape[1:]))
-        kwargs.setdefault("input_dtype", model.inputs[0].dtype)
-        stages, seen = [], set()
+        kwargs.setdefault("input_shape", keras.tree.map_structure(
+            lambda t: tuple(t.shape[1:]), flat.input))
+        kwargs.setdefault("input_dtype", keras.tree.map_structure(lambda t: t.dtype, flat.input))
+        stages, clones = [], {}
+
+        def clone_once(layer):  # a layer used by several stages is cloned once
+            if id(layer) not in clones:
+                clones[id(layer)] = layer.__class__.from_config(layer_config(layer))
+            return clones[id(layer)]
+
         for k in range(p):
-            part = keras.Model(cuts[k], cuts[k + 1], name=f"{model.name}_stage_{k}")
-            if {id(w) for w in part.weights} & seen:
-                raise ValueError(f"Stage {k} of {model.name!r} shares weights with an earlier "
-                                 f"stage (tied layers); Pipeline.from_model does not yet sum "
-                                 f"tied weights' gradients across stages.")
+            # What a stage passes on untouched goes through an Identity layer: a
+            # Keras model cannot return its own input.
+            given = {id(t) for t in boundaries[k]}
+            passed = [keras.layers.Identity(name=f"{model.name}_stage_{k}_pass_{j}")(t)
+                      if id(t) in given else t for j, t in enumerate(boundaries[k + 1])]
+            part = keras.Model(flat.input if k == 0 else boundaries[k],
+                               flat.output if k == p - 1 else passed,
+                               name=f"{model.name}_stage_{k}")
             device = devices[k] if isinstance(devices[k], str) else devices[k][0]
             with tf.device(device):
-                copy = keras.models.clone_model(part)
+                copy = keras.models.clone_model(part, clone_function=clone_once)
             copy.set_weights(part.get_weights())
-            seen |= {id(w) for w in part.weights}
             stages.append(copy)
         return cls(stages, devices=devices, **kwargs)
 
@@ -195,7 +222,7 @@ class Pipeline(keras.Model):
             for v, g in zip(stage.trainable_variables, stage_gradients):
                 if id(v) in summed and g is not None and summed[id(v)][0] is not None:
                     with tf.device(v.value.device):
-                        g = summed[id(v)][0] + g
+                        g = add_gradients(summed[id(v)][0], g)
                 summed[id(v)] = (g if g is not None else summed.get(id(v), (None,))[0], v)
         self.optimizer.apply_gradients(summed.values())
 
@@ -244,7 +271,7 @@ def _zero_row(shape, dtype):
     if isinstance(shape, dict):
         return {k: _zero_row(v, dtype[k] if isinstance(dtype, dict) else dtype)
                 for k, v in shape.items()}
-    if shape and not isinstance(shape[0], int):
+    if shape and not isinstance(shape[0], (int, type(None))):
         return tuple(_zero_row(s, dtype[i] if isinstance(dtype, (list, tuple)) else dtype)
                      for i, s in enumerate(shape))
-    return tf.zeros((1,) + tuple(shape), dtype)
+    return tf.zeros((1,) + tuple(1 if d is None else d for d in shape), dtype)
