@@ -22,7 +22,7 @@ from tfdist.testing.pipeline import relative
 V, BATCH, LS, LT, STEPS = 32, 10, 8, 7, 10
 
 
-def _batches(steps, seed=0):
+def _batches(steps, seed=0, LS=LS, LT=LT):  # noqa: N803
     """Padded pairs of varying lengths: micro-batches hold different token counts."""
     rng = np.random.default_rng(seed)
     n = steps * BATCH
@@ -83,6 +83,69 @@ def test_pipelined_transformer_matches_one_device(stages, m, overrides):
     assert relative(ref_paths["encoder_0/ffn/inner/kernel"], initial) > 1e-3  # trained
     assert pipeline.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
         ref.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
+
+
+def test_a_pipelined_moe_transformer_equals_one_device_accumulating_its_micro_batches():
+    """MoE blocks add their load-balancing loss per call, and route within the
+    tokens they see (capacity per group): a step is one device running the same
+    micro-batches one after the other, each micro-batch's loss (cross-entropy
+    and auxiliary) weighted by its share of the batch's real tokens, the
+    gradients summed, one Adam update. The reference is that loop, written here
+    with a `GradientTape` over the one-device `Transformer`."""
+    keras.utils.set_random_seed(9)
+    length, m = 8, 3
+    config = TransformerConfig(vocab_size=V, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                               num_encoder_layers=2, num_decoder_layers=2, max_length=16,
+                               dropout=0.0, moe_experts=4, moe_top_k=2, moe_group_size=8,
+                               moe_aux_loss_coef=0.1)
+    plan = PipelinePlan.from_mesh("stage:2", "layers:stage", num_layers=4, num_microbatches=m,
+                                  global_batch=BATCH)
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i + 1}" for i in range(2)]
+    pipeline = Pipeline(transformer_stages(config, plan), devices=devices, schedule="1f1b",
+                        num_microbatches=m, input_shape=((length,), (length,)),
+                        input_dtype=("int32", "int32"))
+    weights = transformer_weights(pipeline.stages)
+    with tf.device("/cpu:0"):
+        ref = Transformer(config)
+    ref_paths = {"/".join(v.path.split("/")[1:]): v for v in ref.weights}
+    assert sorted(ref_paths) == sorted(weights)
+    for path, v in ref_paths.items():
+        v.assign(weights[path])
+    router = next(path for path in ref_paths if "router" in path)
+    router_initial = ref_paths[router].numpy()
+
+    (src, dec), tgt = _batches(STEPS, seed=3, LS=length, LT=length)
+    loss = SequenceCrossentropy(V)
+    pipeline.compile(keras.optimizers.Adam(1e-2), loss)
+    history = pipeline.fit((src, dec), tgt, batch_size=BATCH, shuffle=False, verbose=0)
+
+    optimizer = keras.optimizers.Adam(1e-2)
+    variables = ref.trainable_variables
+    ref_losses = []
+    for step in range(STEPS):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        parts = np.array_split(np.arange(BATCH), m)  # sizes 4, 3, 3: as the pipeline's
+        tokens = np.count_nonzero(tgt[rows])
+        total, step_loss = [tf.zeros_like(v) for v in variables], 0.0
+        for part in parts:
+            s, d, t = src[rows][part], dec[rows][part], tgt[rows][part]
+            with tf.GradientTape() as tape:
+                logits = ref((s, d), training=True)
+                value = (loss(t, logits) + tf.add_n(ref.losses)) * (
+                    np.count_nonzero(t) / tokens)
+            total = [a + tf.convert_to_tensor(g) for a, g in
+                     zip(total, tape.gradient(value, variables))]
+            step_loss += float(value)
+        optimizer.apply_gradients(zip(total, variables))
+        ref_losses.append(step_loss)
+    assert history.history["loss"][0] == pytest.approx(np.mean(ref_losses), rel=1e-5)
+    errors = {path: relative(weights[path], v) for path, v in ref_paths.items()}
+    worst = max(errors, key=errors.get)
+    print(f"MoE p=2 m={m}: weights after {STEPS} Adam steps, worst {errors[worst]:.1e} "
+          f"({worst})")
+    assert errors[worst] < 1e-5, (worst, errors[worst])
+    assert relative(ref_paths[router], router_initial) > 1e-3  # the routers trained
+    assert float(tf.add_n(ref.losses)) > 1e-3  # the auxiliary losses are in the step
 
 
 def test_a_transformer_that_does_not_split_is_one_clear_error():

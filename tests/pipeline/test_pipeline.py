@@ -254,3 +254,70 @@ def test_weights_tied_between_the_first_and_last_stage_get_the_summed_gradient()
     # One update per step: Adam's step count and one pair of slots for the kernel.
     assert pipeline.optimizer.iterations.numpy() == 10
     assert len(pipeline.optimizer.variables) == len(ref.optimizer.variables)
+
+
+class _MeanSquarePenalty(keras.layers.Layer):
+    """Adds 0.1 * mean(x^2) over its rows (a mean: the micro-batches' shares of it
+    sum to the whole batch's), passes x through."""
+
+    def call(self, x):
+        self.add_loss(0.1 * tf.reduce_mean(tf.square(x)))
+        return x
+
+
+def test_losses_the_stages_add_count_like_on_one_device():
+    """`add_loss` in a stage's call and a kernel regularizer on each stage: the
+    loss, gradients, 10 Adam steps and `evaluate` equal the Keras model's (its
+    loss includes them too)."""
+    keras.utils.set_random_seed(4)
+
+    def stage(k):
+        return keras.Sequential([
+            keras.layers.Dense(16, activation="tanh", name=f"s{k}_a",
+                               kernel_regularizer=keras.regularizers.L2(0.01)),
+            _MeanSquarePenalty(name=f"s{k}_penalty"), keras.layers.Dense(16, name=f"s{k}_b")])
+
+    staged = [stage(0), stage(1)]
+    staged[-1].add(keras.layers.Dense(D_OUT, name="head"))
+    pipeline = Pipeline(staged, devices=_cpus(2), schedule="1f1b", num_microbatches=5,
+                        input_shape=(D_IN,))
+    ref = reference(pipeline)
+    x, y = data()
+    ref(x[:2])
+    assert len(ref.losses) == 4  # two penalties, two regularizers: the reference counts them
+    print(assert_matches_one_device(pipeline, ref))
+
+
+def test_a_sum_over_rows_added_loss_equals_keras_accumulating_the_micro_batches():
+    """Keras's activity regularizer sums over the rows it sees, so a step is a
+    one-device step only as Keras's own `gradient_accumulation_steps` over the
+    same micro-batches: that is the reference (SGD, equal micro-batches)."""
+    keras.utils.set_random_seed(6)
+    m, batch = 4, 20
+
+    def layers(penalty=1e-3):
+        return [keras.layers.Dense(16, activation="tanh", name="a",
+                                   activity_regularizer=keras.regularizers.L2(penalty)),
+                keras.layers.Dense(D_OUT, name="b")]
+
+    first, second = layers()
+    pipeline = Pipeline([keras.Sequential([first]), keras.Sequential([second])],
+                        devices=_cpus(2), schedule="gpipe", num_microbatches=m,
+                        input_shape=(D_IN,))
+    x, y = data()
+    x, y = x[:200], y[:200]
+    pipeline.compile(keras.optimizers.SGD(0.1), "mse")
+    pipeline_initial = pipeline.get_weights()
+    pipeline.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    trained = {}
+    for penalty in (1e-3, 0.0):  # the reference, and the same without the added loss
+        with tf.device("/cpu:0"):
+            ref = keras.Sequential([keras.Input((D_IN,))] + layers(penalty))
+        ref.set_weights(pipeline_initial)
+        ref.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=m), "mse")
+        ref.fit(x, y, batch_size=batch // m, shuffle=False, verbose=0)
+        trained[penalty] = ref.get_weights()
+    errors = [relative(a, b) for a, b in zip(pipeline.get_weights(), trained[1e-3])]
+    assert max(errors) < 1e-5, errors
+    # the added loss matters at this tolerance: without it the weights differ
+    assert relative(trained[0.0][0], trained[1e-3][0]) > 1e-4

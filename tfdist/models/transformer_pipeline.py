@@ -149,9 +149,6 @@ def transformer_stages(config, plan):
         raise ValueError(f"The plan splits {plan.num_layers} layers but the Transformer has "
                          f"{c.num_encoder_layers} encoder + {c.num_decoder_layers} decoder "
                          f"blocks = {total}.")
-    if c.moe_experts:
-        raise ValueError(f"moe_experts={c.moe_experts}: pipelined Transformers do not yet "
-                         f"train MoE blocks (their auxiliary losses); use moe_experts=0.")
     init = keras.initializers.RandomNormal(stddev=c.d_model ** -0.5)
     target = ShardedEmbedding(c.vocab_size, c.d_model, embeddings_initializer=init,
                               name="target_embedding")

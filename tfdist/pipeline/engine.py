@@ -123,16 +123,23 @@ class PipelineExecutor:
                     for part in split_rows(replica, m)] for t in tf.nest.flatten(structure)]
         return [tf.nest.pack_sequence_as(structure, list(parts)) for parts in zip(*columns)]
 
-    def forward(self, x, training: bool = False):
+    def forward(self, x, training: bool = False, added_loss_fn: Optional[Callable] = None):
         """The stages applied to `x`, micro-batch by micro-batch, concatenated.
 
         Only forwards: stage s of micro-batch i waits for stage s of micro-batch
         i - 1 on its device, so the devices work on successive micro-batches at once.
+        With `added_loss_fn` (as in `loss_and_gradients`), returns
+        `(outputs, added)`: `added` the sum over micro-batches of the losses the
+        stages' calls add, each weighted by its micro-batch's share of the rows
+        (None if no stage adds any).
         """
         import tensorflow as tf
 
         m = self.schedule.num_microbatches
         outputs = self._split(x)
+        rows = [tf.cast(tf.shape(tf.nest.flatten(part)[0])[0], tf.float32) for part in outputs]
+        total_rows = tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], tf.float32)
+        added = []
         for s, stage in enumerate(self.stages):
             for r in range(self.num_replicas):
                 previous = []
@@ -141,12 +148,19 @@ class PipelineExecutor:
                         received = _received(outputs[i])  # not held back by the order
                         with tf.control_dependencies(previous):
                             outputs[i] = stage(received, training=training)
+                            if added_loss_fn is not None and stage.losses:
+                                added.append(added_loss_fn(stage.losses) * rows[i] / total_rows)
                         previous = tf.nest.flatten(outputs[i])
         with tf.device(self.device_of(len(self.stages) - 1)):
-            return tf.concat(outputs, axis=0)
+            outputs = tf.concat(outputs, axis=0)
+            if added_loss_fn is None:
+                return outputs
+            return outputs, (tf.add_n(added) if added else None)
 
     def loss_and_gradients(self, x, y, loss_fn: Callable, sample_weight=None,
-                           count_fn: Optional[Callable] = None) -> Tuple[object, List, object]:
+                           count_fn: Optional[Callable] = None,
+                           added_loss_fn: Optional[Callable] = None
+                           ) -> Tuple[object, List, object]:
         """One step's loss, gradients and outputs, run in the schedule's order.
 
         Args:
@@ -161,6 +175,11 @@ class PipelineExecutor:
                 batch's. Default: rows (Keras's "sum_over_batch_size" losses);
                 a loss averaging over tokens that are not padding gives their
                 number (`SequenceCrossentropy.normalizer`).
+            added_loss_fn: `added_loss_fn(losses)` -> a scalar, for the losses a
+                stage's call adds (`stage.losses` after it: `add_loss`, an MoE's
+                load-balancing loss, regularizers); they join micro-batch i's
+                loss with the same weight, on the stage's device. Default: none
+                are counted.
 
         Returns:
             `(loss, gradients, outputs)`: the batch's loss (sum of the micro-batch
@@ -180,9 +199,10 @@ class PipelineExecutor:
             if count_fn is None:
                 count_fn = lambda t: tf.cast(tf.shape(tf.nest.flatten(t)[0])[0], tf.float32)  # noqa
             batch_count = count_fn(y)
+            shares = [count_fn(ys[i]) / batch_count for i in range(m * R)]
         variables = [list(stage.trainable_variables) for stage in self.stages]
         sums = [[[None] * len(v) for v in variables] for _ in range(R)]
-        inputs, outputs, tapes, upstream = {}, {}, {}, {}
+        inputs, outputs, tapes, upstream, added_losses = {}, {}, {}, {}, []
         losses, predictions = [None] * m * R, [None] * m * R
         previous = {}  # (device, replica) -> the last action's results there
         for action in self.order:
@@ -206,10 +226,14 @@ class PipelineExecutor:
                             if s > 0:
                                 tape.watch(_differentiable(inputs[s, i]))
                             out = self.stages[s](inputs[s, i], training=True)
+                            added = self.stages[s].losses if added_loss_fn else []
+                            added = added_loss_fn(added) * shares[i] if added else None
                             if s == last:
-                                share = count_fn(ys[i]) / batch_count
-                                out = (loss_fn(ys[i], out, weights[i]) * share, out)
-                        tapes[s, i] = (tape, out[0] if s == last else out)
+                                loss_i = loss_fn(ys[i], out, weights[i]) * shares[i]
+                                out = (loss_i if added is None else loss_i + added, out)
+                            elif added is not None:
+                                added_losses.append(added)
+                        tapes[s, i] = (tape, out[0] if s == last else out, added)
                         if s == last:
                             losses[i], predictions[i] = out
                             previous[d, r] = [losses[i]]
@@ -217,7 +241,7 @@ class PipelineExecutor:
                             outputs[s, i] = out
                             previous[d, r] = tf.nest.flatten(out)
                     else:
-                        tape, target = tapes.pop((s, i))
+                        tape, target, added = tapes.pop((s, i))
                         received = _differentiable(inputs.pop((s, i))) if s > 0 else []
                         if s == last:
                             targets, output_gradients = target, None
@@ -226,6 +250,9 @@ class PipelineExecutor:
                             output_gradients = [
                                 tf.zeros_like(t) if g is None else g
                                 for t, g in zip(targets, upstream.pop((s, i)))]
+                            if added is not None:  # the stage's own losses, weight 1
+                                targets = [added] + targets
+                                output_gradients = [tf.ones_like(added)] + output_gradients
                         grads = tape.gradient(targets, variables[s] + received,
                                               output_gradients=output_gradients)
                         if s > 0:
@@ -243,7 +270,7 @@ class PipelineExecutor:
                     None if parts[0] is None else functools.reduce(add_gradients, parts)
                     for parts in zip(*(sums[r][s] for r in range(R)))])
         with tf.device(self.device_of(last)):
-            loss = tf.add_n(losses)
+            loss = tf.add_n(losses + added_losses)
             predictions = tf.concat(predictions, axis=0)
         return loss, gradients, predictions
 

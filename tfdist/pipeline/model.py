@@ -195,8 +195,31 @@ class Pipeline(keras.Model):
             earlier |= {id(v) for v in stage.weights}
         self.built = True
 
+    @property
+    def losses(self):
+        """None of the model's own: the losses the stages add (`add_loss`, an
+        MoE's load-balancing loss, regularizers) are counted per micro-batch by
+        the executor, each on its stage's device, weighted like the micro-batch's
+        loss, so Keras's `compute_loss` must not add them again."""
+        return []
+
     def call(self, x, training=False):
         return self.executor.forward(x, training=training)
+
+    def test_step(self, data):
+        """Keras's `test_step`, with the losses the stages add (weighted by their
+        micro-batch's rows) in the loss, as a one-device model's loss has them."""
+        import tensorflow as tf
+
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred, added = self.executor.forward(x, training=False, added_loss_fn=_sum_of_losses)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                 training=False)
+        if added is not None:
+            loss = loss + added
+        tracker = next(m for m in self.metrics if m.name == "loss")
+        tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -206,15 +229,15 @@ class Pipeline(keras.Model):
                                      sample_weight=sample_weight_i, training=True)
             return self.optimizer.scale_loss(loss)
 
-        if self.losses:
-            raise ValueError("Pipeline does not yet train layers that add losses "
-                             f"(regularizers, add_loss): {len(self.losses)} found.")
+        def added_loss_fn(losses):  # what a stage's call adds, as Keras adds it
+            return self.optimizer.scale_loss(_sum_of_losses(losses))
+
         import tensorflow as tf
 
         # A loss that averages over something else than rows (tokens) says so.
         count_fn = getattr(self.loss, "normalizer", None)
-        loss, gradients, y_pred = self.executor.loss_and_gradients(x, y, loss_fn, sample_weight,
-                                                                   count_fn)
+        loss, gradients, y_pred = self.executor.loss_and_gradients(
+            x, y, loss_fn, sample_weight, count_fn, added_loss_fn)
         # A weight several stages use (tied embeddings) gets the sum of their
         # gradients, added on its own device, and is updated once.
         summed = {}
@@ -243,6 +266,13 @@ class Pipeline(keras.Model):
     def from_config(cls, config):
         stages = [keras.saving.deserialize_keras_object(s) for s in config.pop("stages")]
         return cls(stages, **config)
+
+
+def _sum_of_losses(losses):
+    """Keras's sum of a layer's added losses (each summed to a scalar)."""
+    import tensorflow as tf
+
+    return tf.add_n([tf.cast(tf.reduce_sum(t), tf.float32) for t in losses])
 
 
 def _local_devices(count: int):
