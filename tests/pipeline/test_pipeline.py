@@ -14,7 +14,7 @@ import tensorflow as tf
 from tfdist.pipeline.layout import PipelinePlan
 from tfdist.pipeline.model import Pipeline
 from tfdist.testing.pipeline import (
-    D_IN, D_OUT, assert_matches_one_device, data, reference, relative, stages)
+    BATCH, D_IN, D_OUT, assert_matches_one_device, data, reference, relative, stages)
 
 
 def _cpus(count, first=1):
@@ -321,3 +321,58 @@ def test_a_sum_over_rows_added_loss_equals_keras_accumulating_the_micro_batches(
     assert max(errors) < 1e-5, errors
     # the added loss matters at this tolerance: without it the weights differ
     assert relative(trained[0.0][0], trained[1e-3][0]) > 1e-4
+
+
+def test_mixed_precision_scales_skips_and_trains_like_one_device_accumulating():
+    """mixed_float16 stages: every micro-batch's loss scaled by the same scale,
+    the summed gradients unscaled once; a step where any overflowed is skipped
+    and the scale halved. The reference: one device running the same float16
+    micro-batches with Keras's `LossScaleOptimizer` (4 overflows from 2**22,
+    then 16 updates), equal to the last bit on this CPU; the loss history is
+    the unscaled loss of each step."""
+    keras.utils.set_random_seed(2)
+    policy, m = "mixed_float16", 3
+
+    def stage(k, head=False):
+        layers = [keras.layers.Dense(16, activation="tanh", name=f"s{k}_a", dtype=policy),
+                  keras.layers.Dense(16, name=f"s{k}_b", dtype=policy)]
+        return keras.Sequential(layers + ([keras.layers.Dense(D_OUT, name="head")]
+                                          if head else []))
+
+    pipeline = Pipeline([stage(0), stage(1, head=True)], devices=_cpus(2), num_microbatches=m,
+                        input_shape=(D_IN,), dtype=policy)
+
+    def scaled():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                                   initial_scale=2.0 ** 22)
+
+    pipeline.compile(scaled(), "mse")
+    with tf.device("/cpu:0"):
+        ref = keras.Sequential([keras.Input((D_IN,))] + [
+            type(layer).from_config(layer.get_config())
+            for stage_ in pipeline.stages for layer in stage_.layers])
+    ref.set_weights(pipeline.get_weights())
+    x, y = data()
+    history = pipeline.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                           verbose=0).history["loss"]
+
+    optimizer, mse, variables = scaled(), keras.losses.MeanSquaredError(), ref.trainable_variables
+    losses = []
+    for step in list(range(len(x) // BATCH)) * 2:
+        xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+        total, step_loss = [tf.zeros_like(v) for v in variables], 0.0
+        for part in np.array_split(np.arange(BATCH), m):
+            with tf.GradientTape() as tape:
+                loss = mse(yb[part], ref(xb[part], training=True)) * (len(part) / BATCH)
+                scaled_loss = optimizer.scale_loss(loss)
+            total = [a + g for a, g in zip(total, tape.gradient(scaled_loss, variables))]
+            step_loss += float(loss)
+        optimizer.apply_gradients(zip(total, variables))
+        losses.append(step_loss)
+    assert float(optimizer.dynamic_scale) == 2.0 ** 18  # four steps overflowed
+    assert float(pipeline.optimizer.dynamic_scale) == float(optimizer.dynamic_scale)
+    assert int(pipeline.optimizer.iterations) == int(optimizer.iterations) == 16
+    np.testing.assert_allclose(history, [np.mean(losses[:10]), np.mean(losses[10:])], rtol=1e-5)
+    errors = [relative(a, b) for a, b in zip(pipeline.get_weights(), ref.get_weights())]
+    assert max(errors) < 1e-5, errors
+    assert {w.dtype for stage_ in pipeline.stages for w in stage_.weights} == {"float32"}

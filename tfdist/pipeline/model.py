@@ -247,13 +247,16 @@ class Pipeline(keras.Model):
                     with tf.device(v.value.device):
                         g = add_gradients(summed[id(v)][0], g)
                 summed[id(v)] = (g if g is not None else summed.get(id(v), (None,))[0], v)
-        self.optimizer.apply_gradients(summed.values())
+        # The loss unscaled by the scale it was scaled with (a mixed-precision
+        # step that overflows changes the scale in `apply_gradients`).
+        loss = loss / self.optimizer.scale_loss(tf.constant(1.0))
+        with tf.control_dependencies([loss]):
+            self.optimizer.apply_gradients(summed.values())
 
         # The history's "loss": Keras's own tracker (the first of `metrics` once
         # compiled), weighted by the batch's rows as Keras's `train_step` does.
         tracker = next(m for m in self.metrics if m.name == "loss")
-        tracker.update_state(loss / self.optimizer.scale_loss(tf.constant(1.0)),
-                             sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
