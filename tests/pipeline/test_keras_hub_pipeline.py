@@ -103,3 +103,29 @@ def test_causal_lm_cut_between_decoder_blocks_trains_like_the_model(make, after,
         assert error < 1e-5, (w.path, error)
         worst = max(worst, error)
     print(f"{lm.name}: worst weight error {worst:.1e} after {len(ours) * ROWS // BATCH} steps")
+
+
+def test_weights_go_to_and_come_from_the_unpipelined_model(tmp_path):
+    """One checkpoint of global tensors: the pipeline's weights saved through the
+    keras-hub model (loadable by any mesh, pipelined or not) and loaded back."""
+    keras.utils.set_random_seed(8)
+    lm = _gemma()
+    pipeline = Pipeline.from_model(lm, ["decoder_block_1"], devices=_cpus(2),
+                                   num_microbatches=2)
+    for v in pipeline.weights_by_path().values():  # weights of the pipeline's own
+        v.assign(v + 0.01)
+    other = _gemma()
+    pipeline.assign_weights_to(other)
+    other.save_weights(tmp_path / "lm.weights.h5")
+    again = _gemma()
+    again.load_weights(tmp_path / "lm.weights.h5")
+    x, _, _ = _data()
+    np.testing.assert_allclose(again.predict(x, verbose=0), pipeline.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+    fresh = Pipeline.from_model(_gemma(), ["decoder_block_2"], devices=_cpus(2),
+                                num_microbatches=3)
+    fresh.assign_weights_from(again)
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), pipeline.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"does not hold the pipeline's weights"):
+        pipeline.assign_weights_to(_llama())

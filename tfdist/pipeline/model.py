@@ -259,6 +259,35 @@ class Pipeline(keras.Model):
         tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def weights_by_path(self):
+        """`{path: variable}` of the stages' weights, each once (a tied weight
+        under its first stage), by the paths the unpipelined model gives them
+        (a stage's own name, when it leads a path, left out)."""
+        found = {}
+        for stage in self.stages:
+            for v in stage.weights:
+                parts = v.path.split("/")
+                path = "/".join(parts[1:]) if parts[0] == stage.name and len(parts) > 1 \
+                    else v.path
+                found.setdefault(path, v)
+        return found
+
+    def assign_weights_to(self, model):
+        """Copies the pipeline's weights into the unpipelined `model` (the one
+        `from_model` cut, or any model with the same weight paths), e.g. to save
+        one checkpoint of global tensors that any mesh, pipelined or not, loads."""
+        ours, theirs = self.weights_by_path(), _by_path(model)
+        _check_same_paths(ours, theirs, model)
+        for path, v in theirs.items():
+            v.assign(ours[path])
+
+    def assign_weights_from(self, model):
+        """Copies `model`'s weights (same paths) into the pipeline's stages."""
+        ours, theirs = self.weights_by_path(), _by_path(model)
+        _check_same_paths(ours, theirs, model)
+        for path, v in ours.items():
+            v.assign(theirs[path])
+
     def get_config(self):
         return dict(super().get_config(), schedule=self.schedule_name,
                     num_microbatches=self.num_microbatches, num_chunks=self.num_chunks,
@@ -269,6 +298,21 @@ class Pipeline(keras.Model):
     def from_config(cls, config):
         stages = [keras.saving.deserialize_keras_object(s) for s in config.pop("stages")]
         return cls(stages, **config)
+
+
+def _by_path(model):
+    found = {}
+    for v in model.weights:
+        found.setdefault(v.path, v)
+    return found
+
+
+def _check_same_paths(ours, theirs, model):
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or extra:
+        raise ValueError(f"Model {model.name!r} does not hold the pipeline's weights: "
+                         f"the pipeline's {missing[:5]} are not in it and its {extra[:5]} "
+                         f"are not in the pipeline (weights are matched by path).")
 
 
 def _sum_of_losses(losses):
