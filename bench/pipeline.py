@@ -8,7 +8,9 @@ process pinned to its own core with one TF thread:
 - `one m=M`: the same layers as a 1-stage `Pipeline` with M micro-batches in one
   process (the same micro-batch sizes as the pipelined runs: the ideal time of
   2 stages is half of it, so the measured bubble is 1 - (one / 2) / two);
-- `1f1b m=M`, `gpipe m=M`: 2 stages of 8 layers, stage s on process s.
+- `1f1b m=M`, `gpipe m=M`: 2 stages of 8 layers, stage s on process s;
+- `inter. m=M`: interleaved 1F1B, 4 virtual stages of 4 layers, virtual stage
+  k on process k % 2 (half the bubble, twice the transfers).
 
 The table reports seconds per step, the speed-up over `keras`, the measured
 bubble against the analytic (p-1)/(m+p-1), and the CPU seconds per step of
@@ -101,12 +103,14 @@ def job(args):
     else:
         if args.controller_apart:  # task 0 only drives the job: the stages on tasks 1..p
             devices = devices[1:]
-        stages = len(devices)
+        chunks = 2 if args.case == "interleaved_1f1b" else 1  # virtual stages per device
+        stages = len(devices) * chunks
         per = LAYERS // stages
         model = Pipeline([keras.Sequential(_layers(s * per, per))
                           for s in range(stages)], devices=devices,
                          schedule="1f1b" if args.case == "one" else args.case,
-                         num_microbatches=args.microbatches, input_shape=(WIDTH,))
+                         num_microbatches=args.microbatches, num_chunks=chunks,
+                         input_shape=(WIDTH,))
     model.compile(keras.optimizers.Adam(1e-4), "mse")
     # Ops with no device of their own (Keras's step around the model: the
     # batch's split, the loss, the metrics) on the first device, not on the
@@ -178,12 +182,14 @@ def main():
         for m in ms:
             one = _median_run(args.repeats, "one", m, 1, args.steps, args.batch, tmp)["s_per_step"]
             print(f"{'one m=' + str(m):<12}{1:>10}{one:>9.3f}{base / one:>10.2f}", flush=True)
-            for case in ("gpipe", "1f1b"):
+            for case in ("gpipe", "1f1b", "interleaved_1f1b"):
                 r = _median_run(args.repeats, case, m, 2, args.steps, args.batch, tmp)
                 bubble = 1 - (one / 2) / r["s_per_step"]
-                print(f"{case + ' m=' + str(m):<12}{2:>10}{r['s_per_step']:>9.3f}"
+                name = {"interleaved_1f1b": "inter."}.get(case, case) + f" m={m}"
+                chunks = 2 if case == "interleaved_1f1b" else 1
+                print(f"{name:<12}{2:>10}{r['s_per_step']:>9.3f}"
                       f"{base / r['s_per_step']:>10.2f}{bubble:>9.2f}"
-                      f"{analytic_bubble(case, 2, m):>10.2f}"
+                      f"{analytic_bubble(case, 2, m, chunks):>10.2f}"
                       f"{' '.join(f'{c:8.2f}' for c in r['cpu_s_per_step']):>26}", flush=True)
 
         # Memory: TF's pooling allocator off (RSS follows the live tensors; slower,
