@@ -38,6 +38,18 @@ def _batches(steps, seed=0, LS=LS, LT=LT):  # noqa: N803
     return (src, decoder_input), tgt
 
 
+def _one_device_copy(config, weights):
+    """`Transformer(config)` on one device with the pipeline's weights (by path),
+    and its weights by those paths."""
+    with tf.device("/cpu:0"):
+        ref = Transformer(config)
+    ref_paths = {"/".join(v.path.split("/")[1:]): v for v in ref.weights}
+    assert sorted(ref_paths) == sorted(weights)
+    for path, v in ref_paths.items():
+        v.assign(weights[path])
+    return ref, ref_paths
+
+
 @pytest.mark.parametrize("stages,m,overrides", [
     (2, 3, {}),
     (4, 4, {"share_embeddings": False, "positions": "learned"}),
@@ -58,12 +70,7 @@ def test_pipelined_transformer_matches_one_device(stages, m, overrides):
     assert weights["target_embedding/embeddings"].value.device == devices[0 if stages == 2
                                                                            else 1]
     assert weights["decoder_1/ffn/outer/kernel"].value.device == devices[-1]
-    with tf.device("/cpu:0"):
-        ref = Transformer(config)
-    ref_paths = {"/".join(v.path.split("/")[1:]): v for v in ref.weights}
-    assert sorted(ref_paths) == sorted(weights)
-    for path, v in ref_paths.items():
-        v.assign(weights[path])
+    ref, ref_paths = _one_device_copy(config, weights)
 
     initial = ref_paths["encoder_0/ffn/inner/kernel"].numpy()
     x, y = _batches(STEPS)
@@ -105,12 +112,7 @@ def test_a_pipelined_moe_transformer_equals_one_device_accumulating_its_micro_ba
                         num_microbatches=m, input_shape=((length,), (length,)),
                         input_dtype=("int32", "int32"))
     weights = transformer_weights(pipeline.stages)
-    with tf.device("/cpu:0"):
-        ref = Transformer(config)
-    ref_paths = {"/".join(v.path.split("/")[1:]): v for v in ref.weights}
-    assert sorted(ref_paths) == sorted(weights)
-    for path, v in ref_paths.items():
-        v.assign(weights[path])
+    ref, ref_paths = _one_device_copy(config, weights)
     router = next(path for path in ref_paths if "router" in path)
     router_initial = ref_paths[router].numpy()
 
