@@ -305,6 +305,34 @@ def _all_to_all(ctx, x, split_dim, concat_dim, shape_varies=False):
     return op(x)
 
 
+def ppermute(x, axis: Optional[str], source):
+    """`x` of the device at coordinate `source[i]` along `axis`, at coordinate `i`.
+
+    `source`: a permutation of `range(axis_size(axis))`, the same on every
+    device. Each device sends its `x` to the one device that takes it (a
+    pair swap costs one send each way on every backend; see
+    `tfdist.comm.Backend.permute`). The gradient runs the inverse permutation.
+    """
+    ctx = axis_context(axis)
+    if ctx is None:
+        return x
+    return _ppermute(ctx, x, tuple(source))
+
+
+def _ppermute(ctx, x, source):
+    _outside_loops("ppermute")
+    inverse = tuple(source.index(k) for k in range(len(source)))
+
+    @tf.custom_gradient
+    def op(x):
+        def grad(dy):
+            return _ppermute(ctx, dy, inverse)
+
+        return ctx.backend.permute(x, ctx.replica, ctx.group, source), grad
+
+    return op(x)
+
+
 def sum_over_replicas(x):
     """Sum of `x` over every replica of the strategy in scope (no gradient).
 

@@ -46,6 +46,15 @@ class Backend(Protocol):
         the busiest expert): the call must pair up by its own run-time shape.
         """
 
+    def permute(self, x, replica: int, group: Group, source: Sequence[int]):
+        """`x` of device `group[source[k]]`, received by device `group[k]`.
+
+        `source` is a permutation of `range(n)` (positions in `group`); every
+        device of `group` passes a tensor of the same shape and dtype. Each
+        device sends its `x` to the one device that takes it and nothing else
+        (where the backend can: see the implementations).
+        """
+
     def batch_all_reduce(self, tensors: Sequence, replica: int, group: Group) -> List:
         """Sums of every tensor of `tensors` over `group`, fused into few collectives.
 
@@ -63,6 +72,21 @@ class Backend(Protocol):
         every step, whatever shapes the inputs have: a backend whose instances
         fix their shape (TF's) keys them by the inputs' run-time shapes.
         """
+
+
+def check_permutation(source: Sequence[int], n: int) -> Tuple[int, ...]:
+    """`source` as a tuple if it is a permutation of `range(n)`, else one clear error."""
+    source = tuple(int(s) for s in source)
+    if sorted(source) != list(range(n)):
+        raise ValueError(
+            f"permute needs a permutation of the {n} positions of the group "
+            f"(range({n}) in some order); got source={list(source)}.")
+    return source
+
+
+def is_involution(source: Sequence[int]) -> bool:
+    """Whether `source` only swaps pairs (and fixes the rest): applied twice, the identity."""
+    return all(source[source[k]] == k for k in range(len(source)))
 
 
 def in_supported_dtype(x, collective):

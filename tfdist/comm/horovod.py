@@ -19,7 +19,7 @@ from typing import Dict
 
 import tensorflow as tf
 
-from tfdist.comm.base import Group, in_supported_dtype
+from tfdist.comm.base import Group, check_permutation, in_supported_dtype
 from tfdist.mesh import Mesh
 
 
@@ -130,6 +130,23 @@ class HorovodBackend:
             return tf.identity(x)
         return in_supported_dtype(x, lambda x: self.hvd.alltoall(
             x, process_set=self._set(group), name=self._name("alltoall")))
+
+    def permute(self, x, replica: int, group: Group, source):
+        """`x` of rank `group[source[k]]` at rank `group[k]`: one `hvd.alltoall`
+        whose splits send `x` to its one receiver (nothing else moves)."""
+        source = check_permutation(source, len(group))
+        k = group.index(replica)
+        if len(group) == 1:
+            return tf.identity(x)
+        target = source.index(k)
+        splits = [1 if j == target else 0 for j in range(len(group))]
+
+        def send(x):
+            received, _ = self.hvd.alltoall(x[None], splits=splits, process_set=self._set(group),
+                                         name=self._name("permute"))
+            return tf.reshape(received, tf.shape(x))
+
+        return in_supported_dtype(x, send)
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
         """Sums over `group` with one `hvd.grouped_allreduce` (Horovod fuses the tensors)."""

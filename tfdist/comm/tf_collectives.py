@@ -24,7 +24,7 @@ from typing import List, Sequence, Tuple
 
 import tensorflow as tf
 
-from tfdist.comm.base import Group, in_supported_dtype
+from tfdist.comm.base import Group, check_permutation, in_supported_dtype, is_involution
 from tfdist.comm.shape_keys import DEFAULT_MAX_SHAPES, ShapeIds, host_of
 
 _MAX_INSTANCE_KEY = (1 << 31) - 1  # instance keys are int32
@@ -212,6 +212,28 @@ class TFCollectiveBackend:
                 return tf.identity(x)
             return in_supported_dtype(x, lambda x: tf.raw_ops.CollectiveAllToAllV2(
                 input=x, **self._common(replica, group, x, shape_varies)))
+
+    def permute(self, x, replica: int, group: Group, source: Sequence[int]):
+        """`x` of device `group[source[k]]` at device `group[k]`.
+
+        TF has no point-to-point collective. A permutation that swaps pairs
+        (the ring attention schedule's rounds) runs as one two-device gather
+        per pair, each device receiving exactly its partner's `x`; any other
+        permutation runs as an all-to-all whose parts for devices other than
+        the receiver are zeros (`n - 1` times the bytes of a send).
+        """
+        source = check_permutation(source, len(group))
+        k = group.index(replica)
+        with tf.device(self.devices[replica]):
+            if source[k] == k and is_involution(source):
+                return tf.identity(x)
+            if is_involution(source):
+                pair = tuple(sorted((replica, group[source[k]])))
+                both = self.all_gather(x[None], replica, pair)
+                return both[pair.index(group[source[k]])]
+            target = source.index(k)
+            parts = tf.stack([x if j == target else tf.zeros_like(x) for j in range(len(group))])
+            return self.all_to_all(parts, replica, group)[source[k]]
 
     def batch_all_reduce(self, tensors, replica: int, group: Group):
         """Sums over `group`, one collective per fused bucket (tensor fusion: `fused`)."""

@@ -1,0 +1,36 @@
+"""Sequence (context) parallelism: the logical axis `length` over a mesh axis.
+
+- `split`: which tokens a device holds (contiguous or zig-zag balanced),
+  their global positions, and the inputs' local tokens.
+- `ring_attention` (pass-KV) and `ulysses_attention` (head all-to-all):
+  exact attention over the split sequence, causal and padded, grouped
+  queries, cross-attention (queries and keys each on their own split).
+- `sequence_attention(..., method=...)` picks one by name.
+
+See docs/sequence.md.
+"""
+
+from typing import Optional
+
+from tfdist.sequence.ring import ring_attention, ring_rounds
+from tfdist.sequence.split import (
+    SequenceSplit,
+    global_tokens,
+    local_positions,
+    local_tokens,
+)
+from tfdist.sequence.ulysses import ulysses_attention
+
+METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def sequence_attention(q, k, v, axis: Optional[str], method: str = "ring", **kwargs):
+    """`ring_attention` or `ulysses_attention` (by `method`) of `q`, `k`, `v` over `axis`."""
+    if method not in METHODS:
+        raise ValueError(f"Unknown sequence attention method {method!r}; valid: "
+                         f"{sorted(METHODS)}.")
+    return METHODS[method](q, k, v, axis, **kwargs)
+
+
+__all__ = ["SequenceSplit", "global_tokens", "local_positions", "local_tokens",
+           "ring_attention", "ring_rounds", "sequence_attention", "ulysses_attention"]

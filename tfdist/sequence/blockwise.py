@@ -1,0 +1,130 @@
+"""Attention over key blocks one chunk pair at a time, with an online softmax.
+
+The kernel ring attention and Ulysses share (no collectives here). Queries
+and keys are cut into equal chunks with global chunk ids; a (query chunk,
+key chunk) pair is computed whole, on its diagonal (causal), or not at all
+(causal, key chunk after the query chunk). A running maximum `m` and
+denominator `l` per query row merge the blocks exactly (flash attention's
+recurrence; ANCHORS B4):
+
+    m' = max(m, rowmax(S))
+    O  = O e^(m - m') + e^(S - m') V
+    l  = l e^(m - m') + rowsum(e^(S - m'))
+
+and the backward pass needs only the output and `lse = m + log l` per row:
+
+    P  = e^(S - lse)          dV += P^T dO        dP = dO V^T
+    dS = P (dP - rowsum(dO * O))   dQ += dS K scale     dK += dS^T Q scale
+
+Letters: B batch, K key/value heads, G query heads per key head (H = K G),
+Q query rows, S key rows, D d_kv. Queries `[B, K, G, Q, D]` (already scaled),
+keys and values `[B, K, S, D]`, key validity `[B, S]` (1 valid, 0 padding).
+Masked scores get -1e9 added per mask (padding and causal add up), as
+`tfdist.layers.attention` does; a query row that sees no valid key gets a
+finite output no loss should read.
+"""
+
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+NEG_INF = -1e9
+
+
+def chunk_pairs(q_ids: Sequence[int], k_ids: Sequence[int], causal: bool):
+    """`(i, j, diagonal)` for query chunk `i` and key chunk `j` that see each other.
+
+    Under `causal` a key chunk after the query chunk is skipped and the same
+    chunk is masked on its diagonal; otherwise every pair is whole.
+    """
+    for i, qc in enumerate(q_ids):
+        for j, kc in enumerate(k_ids):
+            if not causal or kc < qc:
+                yield i, j, False
+            elif kc == qc:
+                yield i, j, True
+
+
+def split_rows(x, parts: int, axis: int) -> List:
+    return tf.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
+def scores(q, k, key_valid: Optional[tf.Tensor], diagonal: bool):
+    """`[B, K, G, Q, S]` scores of one chunk pair, masks added."""
+    s = tf.einsum("bkgqd,bksd->bkgqs", q, k)
+    if key_valid is not None:
+        s += (1.0 - key_valid)[:, None, None, None, :] * NEG_INF
+    if diagonal:
+        allowed = tf.linalg.band_part(tf.ones([tf.shape(q)[3], tf.shape(k)[2]]), -1, 0)
+        s += (1.0 - allowed) * NEG_INF
+    return s
+
+
+class OnlineSoftmax:
+    """The running output, maximum and denominator of each query chunk."""
+
+    def __init__(self, num_chunks: int):
+        self.o: List = [None] * num_chunks
+        self.m: List = [None] * num_chunks
+        self.l: List = [None] * num_chunks
+
+    def add(self, i: int, s, v):
+        """Merges scores `s` `[B, K, G, Q, S]` of values `v` `[B, K, S, D]` into chunk `i`."""
+        m_block = tf.reduce_max(s, axis=-1)
+        if self.m[i] is None:
+            p = tf.exp(s - m_block[..., None])
+            self.o[i] = tf.einsum("bkgqs,bksd->bkgqd", p, v)
+            self.m[i], self.l[i] = m_block, tf.reduce_sum(p, axis=-1)
+            return
+        m_new = tf.maximum(self.m[i], m_block)
+        alpha = tf.exp(self.m[i] - m_new)
+        p = tf.exp(s - m_new[..., None])
+        self.o[i] = self.o[i] * alpha[..., None] + tf.einsum("bkgqs,bksd->bkgqd", p, v)
+        self.l[i] = self.l[i] * alpha + tf.reduce_sum(p, axis=-1)
+        self.m[i] = m_new
+
+    def finish(self, axis: int = 3):
+        """`(out [B, K, G, Q, D], lse [B, K, G, Q])`, chunks concatenated on the rows."""
+        out = tf.concat([o / l[..., None] for o, l in zip(self.o, self.l)], axis=axis)
+        lse = tf.concat([m + tf.math.log(l) for m, l in zip(self.m, self.l)], axis=axis)
+        return out, lse
+
+
+def forward_block(state: OnlineSoftmax, q_chunks, q_ids, k, v, key_valid, k_ids, causal):
+    """Adds one key block (chunks `k_ids`) to `state` for the query chunks `q_ids`."""
+    pairs = list(chunk_pairs(q_ids, k_ids, causal))
+    if not pairs:
+        return
+    ks, vs = split_rows(k, len(k_ids), 2), split_rows(v, len(k_ids), 2)
+    masks = split_rows(key_valid, len(k_ids), 1) if key_valid is not None else [None] * len(k_ids)
+    for i, j, diagonal in pairs:
+        state.add(i, scores(q_chunks[i], ks[j], masks[j], diagonal), vs[j])
+
+
+def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_chunks,
+                   k, v, key_valid, k_ids, causal, scale):
+    """One key block's share of the gradients.
+
+    Adds into `dq_chunks` (a list, per query chunk, updated in place) and
+    returns `(dk, dv)` `[B, K, S, D]` of the block (zeros where no query saw it).
+    """
+    pairs = list(chunk_pairs(q_ids, k_ids, causal))
+    if not pairs:
+        return tf.zeros_like(k), tf.zeros_like(v)
+    ks, vs = split_rows(k, len(k_ids), 2), split_rows(v, len(k_ids), 2)
+    masks = split_rows(key_valid, len(k_ids), 1) if key_valid is not None else [None] * len(k_ids)
+    dks = [None] * len(k_ids)
+    dvs = [None] * len(k_ids)
+    for i, j, diagonal in pairs:
+        p = tf.exp(scores(q_chunks[i], ks[j], masks[j], diagonal) - lse_chunks[i][..., None])
+        dp = tf.einsum("bkgqd,bksd->bkgqs", dout_chunks[i], vs[j])
+        ds = p * (dp - delta_chunks[i][..., None])
+        dq = tf.einsum("bkgqs,bksd->bkgqd", ds, ks[j]) * scale
+        dk = tf.einsum("bkgqs,bkgqd->bksd", ds, q_chunks[i])  # q_chunks are scaled
+        dv = tf.einsum("bkgqs,bkgqd->bksd", p, dout_chunks[i])
+        dq_chunks[i] = dq if dq_chunks[i] is None else dq_chunks[i] + dq
+        dks[j] = dk if dks[j] is None else dks[j] + dk
+        dvs[j] = dv if dvs[j] is None else dvs[j] + dv
+    dks = [d if d is not None else tf.zeros_like(x) for d, x in zip(dks, ks)]
+    dvs = [d if d is not None else tf.zeros_like(x) for d, x in zip(dvs, vs)]
+    return tf.concat(dks, axis=2), tf.concat(dvs, axis=2)
