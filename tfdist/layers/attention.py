@@ -19,7 +19,7 @@ maximum length and written at one position per step (`write_cache`).
 import keras
 import tensorflow as tf
 
-from tfdist import collectives, recompute
+from tfdist import collectives, recompute, sequence
 from tfdist.layers.weights import (
     add_sharded_weight,
     check_mesh,
@@ -61,6 +61,13 @@ class ShardedAttention(keras.layers.Layer):
             the probabilities times the values) in the backward pass instead of
             keeping its `[b, H, Lq, Lk]` tensors: Megatron's "selective"
             recomputation (`tfdist.remat`, same dropout masks).
+        sequence_method: where the layout maps `length` onto a mesh axis
+            (`tfdist.sequence`: each device holds a zig-zag share of every
+            sequence), attend over the split sequence by `"ring"` (key/value
+            blocks travel around the axis) or `"ulysses"` (all-to-all to
+            split heads; the local heads must divide by the axis). Attention
+            dropout is refused there (one device's masks cannot be reproduced
+            block by block).
 
     Call arguments:
         query: `[b, Lq, d_model]`.
@@ -80,7 +87,7 @@ class ShardedAttention(keras.layers.Layer):
     """
 
     def __init__(self, num_heads, d_kv, dropout=0.0, kernel_initializer="glorot_uniform",
-                 seed=None, remat_core=False, **kwargs):
+                 seed=None, remat_core=False, sequence_method="ring", **kwargs):
         super().__init__(**kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.d_kv = check_positive_int("d_kv", d_kv)
@@ -94,6 +101,10 @@ class ShardedAttention(keras.layers.Layer):
             raise ValueError(f"`remat_core` must be True or False. Received: "
                              f"remat_core={remat_core!r}")
         self.remat_core = remat_core
+        if sequence_method not in sequence.METHODS:
+            raise ValueError(f"`sequence_method` must be one of {sorted(sequence.METHODS)}. "
+                             f"Received: sequence_method={sequence_method!r}")
+        self.sequence_method = sequence_method
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
 
@@ -153,19 +164,39 @@ class ShardedAttention(keras.layers.Layer):
         axis = self._heads_axis
         query_all = collectives.all_gather(query, axis, dim=0)  # [b*M, Lq, d]
         memory_all = query_all if memory is None else collectives.all_gather(memory, axis, dim=0)
-        bias = None
+        mask = None
         if key_mask is not None:
-            mask = tf.stop_gradient(tf.cast(key_mask, query.dtype))
-            bias = padding_bias(collectives.all_gather(mask, axis, dim=0))
-        if causal:
-            causal_part = causal_bias(tf.shape(query_all)[1])
-            bias = causal_part if bias is None else bias + causal_part
+            mask = collectives.all_gather(tf.stop_gradient(tf.cast(key_mask, query.dtype)),
+                                          axis, dim=0)
         k, v = self.project_kv(memory_all)
-        core = recompute.remat(self.attend_context) if self.remat_core else self.attend_context
-        context = core(self.project_query(query_all), k, v, bias, training)
+        length_axis = sequence.length_axis()
+        if length_axis is not None:  # Lq, Lk: this device's tokens
+            context = self._attend_split_sequence(self.project_query(query_all), k, v,
+                                                  length_axis, causal, mask, training)
+        else:
+            bias = None if mask is None else padding_bias(mask)
+            if causal:
+                causal_part = causal_bias(tf.shape(query_all)[1])
+                bias = causal_part if bias is None else bias + causal_part
+            core = recompute.remat(self.attend_context) if self.remat_core else self.attend_context
+            context = core(self.project_query(query_all), k, v, bias, training)
         # Partial sums over the local heads [b*M, Lq, d] -> [b, Lq, d]
         return collectives.reduce_scatter_partial_sums(
             _project_out, [context, tf.convert_to_tensor(self.output_kernel)], axis, dim=0)
+
+    def _attend_split_sequence(self, q, k, v, axis, causal, key_mask, training):
+        """`[b, H_local, Lq / P, d_kv]` attention over a sequence split on mesh axis `axis`."""
+        if training and self.dropout:
+            raise ValueError(
+                f"Layer {self.name!r}: attention dropout ({self.dropout}) with `length` split "
+                f"over mesh axis {axis!r} is not supported; set dropout=0.0 for the attention "
+                f"(residual and feed-forward dropout work per token).")
+        heads_last = [0, 2, 1, 3]  # [b, H, L, d_kv] <-> [b, L, H, d_kv]
+        context = sequence.sequence_attention(
+            tf.transpose(q, heads_last), tf.transpose(k, heads_last), tf.transpose(v, heads_last),
+            axis, method=self.sequence_method, causal=causal, key_mask=key_mask, balanced=True,
+            scale=1.0)  # project_query scaled the queries
+        return tf.transpose(context, heads_last)
 
     def compute_output_shape(self, query_shape, memory_shape=None):
         return tuple(query_shape)
@@ -174,5 +205,6 @@ class ShardedAttention(keras.layers.Layer):
         config = super().get_config()
         config.update(num_heads=self.num_heads, d_kv=self.d_kv, dropout=self.dropout,
                       kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
-                      seed=self.seed, remat_core=self.remat_core)
+                      seed=self.seed, remat_core=self.remat_core,
+                      sequence_method=self.sequence_method)
         return config

@@ -6,18 +6,28 @@
   exact attention over the split sequence, causal and padded, grouped
   queries, cross-attention (queries and keys each on their own split).
 - `sequence_attention(..., method=...)` picks one by name.
+- `split_sequences(dataset, mesh)`: global batches rewritten so that a
+  strategy's row split gives every device of a row group its own tokens
+  (zig-zag); `merge_sequences` undoes it for `predict`'s outputs;
+  `token_positions` gives a layer its tokens' global positions.
+
+Layers: `ShardedAttention(..., sequence_method="ring" | "ulysses")` attends
+over the split sequence wherever the ambient mesh's layout maps `length`.
 
 See docs/sequence.md.
 """
 
 from typing import Optional
 
+from tfdist.sequence.data import merge_sequences, split_sequences
 from tfdist.sequence.ring import ring_attention, ring_rounds
 from tfdist.sequence.split import (
     SequenceSplit,
     global_tokens,
+    length_axis,
     local_positions,
     local_tokens,
+    token_positions,
 )
 from tfdist.sequence.ulysses import ulysses_attention
 
@@ -32,5 +42,6 @@ def sequence_attention(q, k, v, axis: Optional[str], method: str = "ring", **kwa
     return METHODS[method](q, k, v, axis, **kwargs)
 
 
-__all__ = ["SequenceSplit", "global_tokens", "local_positions", "local_tokens",
-           "ring_attention", "ring_rounds", "sequence_attention", "ulysses_attention"]
+__all__ = ["SequenceSplit", "global_tokens", "length_axis", "local_positions", "local_tokens",
+           "merge_sequences", "ring_attention", "ring_rounds", "sequence_attention",
+           "split_sequences", "token_positions", "ulysses_attention"]

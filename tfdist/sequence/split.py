@@ -125,6 +125,26 @@ def global_tokens(x, axis: Optional[str], dim: int = 1, balanced: bool = False):
     return tf.gather(gathered, np.argsort(split.order()), axis=dim)
 
 
+def length_axis() -> Optional[str]:
+    """The mesh axis the ambient mesh's layout puts `length` on, if the replica is split on it."""
+    mesh = collectives.current_mesh()
+    axis = None if mesh is None else mesh.mesh_axis("length")
+    return axis if collectives.axis_size(axis) > 1 else None
+
+
+def token_positions(local_length: int):
+    """`[local_length]` int32 global positions of this replica's tokens.
+
+    Under a mesh whose layout splits `length` (zig-zag, as `split_sequences`
+    hands the tokens out): the positions of this device's chunks; elsewhere
+    `0 .. local_length - 1`. For position embeddings, sinusoids and RoPE.
+    """
+    axis = length_axis()
+    if axis is None:
+        return tf.range(local_length, dtype=tf.int32)
+    return local_positions(int(local_length) * collectives.axis_size(axis), axis, balanced=True)
+
+
 def local_positions(length: int, axis: Optional[str], balanced: bool = False):
     """`[length / P]` int32 global positions of this device's tokens."""
     split = axis_split(length, axis, balanced)
