@@ -140,8 +140,9 @@ def mesh_run(np_, mesh, models, timeout=400):
     # (mixed_bfloat16 over processes: test_mesh_over_workers.)
     (2, "data:1;model:2", "xc_head,moe,keras_options,sharded_options,partial_batches",
      "(8, 16)"),   # one shard per rank; partial batches padded
-    # zero: ZeRO-1 over the 2 ranks (HorovodStrategy(zero_stage=1)).
-    (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options,partial_batches,zero",
+    # zero: ZeRO-1 over the 2 ranks (HorovodStrategy(zero_stage=1)). sequence: a causal LM
+    # with `length` over the 2 ranks (ring: alltoall with splits; Ulysses).
+    (2, "data:2;model:1", "token_mlp,plain_embedding,fit_options,partial_batches,zero,sequence",
      "(8, 32)"),  # pure data parallel; partial batches counted, not padded
     # remat: the token MLP with every layer recomputed (collectives in the backward pass).
     (4, "data:2;model:2", "remat", "(8, 16)"),             # process sets per axis

@@ -32,8 +32,10 @@ def launch(*args, timeout=300):
     # its first graph ran; not reproduced in 5 runs since (alone or after the other
     # cases), not understood, so it stays out of the 2x2 job.
     # pipeline: two stages, one per process (activations cross processes).
+    # sequence: a causal LM with `length` split over the two processes (ring, Ulysses).
     (2, 1, "data:1;model:2",
-     "xc_head,plain_embedding,keras_options,mixed_bfloat16,partial_batches,remat,pipeline"),
+     "xc_head,plain_embedding,keras_options,mixed_bfloat16,partial_batches,remat,pipeline,"
+     "sequence"),
     # zero: ZeRO-2 over the 4 devices of the 2 workers.
     (2, 2, "data:2;model:2", "token_mlp,xc_head,plain_embedding,sharded_checkpoint,zero"),
 ])

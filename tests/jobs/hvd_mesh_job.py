@@ -51,7 +51,7 @@ if "plain_embedding" in models:
 if "keras_options" in models:
     print(f"rank {rank} keras_options {mesh}: {job_cases.keras_options(strategy)}", flush=True)
 
-for case in ("sharded_options", "fit_options", "partial_batches", "remat"):
+for case in ("sharded_options", "fit_options", "partial_batches", "remat", "sequence"):
     if case in models:
         print(f"rank {rank} {case} {mesh}: {getattr(job_cases, case)(strategy)}", flush=True)
 

@@ -324,3 +324,24 @@ def pipeline(strategy):
         report = cases.assert_matches_one_device(model, cases.reference(model))
         reports.append(f"{schedule} p={len(devices)} m={m}: {report}")
     return "; ".join(reports)
+
+
+def sequence(strategy):
+    """The causal LM with `length` split over every device of the strategy (a new
+    strategy of the same kind on the same devices, mesh `seq:N`, `length:seq`): ring and
+    Ulysses attention, 10 Adam steps, loss history and weights against one device."""
+    from tfdist.testing import causal_lm
+
+    n = strategy.mesh.size
+    if type(strategy).__name__ == "HorovodStrategy":
+        seq = type(strategy)(mesh_shape=f"seq:{n}", layout="length:seq")
+    else:
+        seq = type(strategy)(f"seq:{n}", "length:seq",
+                             devices=list(strategy.extended.worker_devices))
+    want = causal_lm.train(None)
+    reports = []
+    for method in ("ring", "ulysses"):
+        loss, weights = causal_lm.compare(causal_lm.train(seq, method), want)
+        assert loss < 1e-5 and weights < 1e-5, (method, loss, weights)
+        reports.append(f"{method} loss {loss:.1e} weights after 10 steps {weights:.1e}")
+    return "; ".join(reports)
