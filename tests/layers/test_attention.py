@@ -8,6 +8,7 @@ weights after 10 Adam steps.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfdist.layers.attention import ShardedAttention
 from tfdist.strategies import MeshStrategy
@@ -95,3 +96,30 @@ def test_masks_stay_finite_in_float16(mesh, mixed_float16):
     assert np.isfinite(out).all()
     model.fit((x, memory, x_mask, memory_mask), y, batch_size=B, verbose=0)
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_block_equals_the_dense_softmax(causal):
+    """attention_block=4 on one device: blockwise (online softmax, causal blocks skipped)
+    against the same weights' dense path; output and every gradient."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 12, 16)).astype("float32"))
+    mask = tf.constant((np.arange(12)[None] < np.array([[12], [7]])).astype("float32"))
+    dense = ShardedAttention(4, 8, name="dense")
+    blocks = ShardedAttention(4, 8, attention_block=4, name="blocks")
+    dense(x), blocks(x)
+    blocks.set_weights(dense.get_weights())
+    results = []
+    for layer in (dense, blocks):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, key_mask=mask, causal=causal)
+            loss = tf.reduce_sum(y * tf.sin(tf.range(16, dtype="float32")))
+        results.append([y] + tape.gradient(loss, [x] + layer.trainable_weights))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert blocks.get_config()["attention_block"] == 4
+    with pytest.raises(ValueError, match="attention dropout .* attention_block=4"):
+        ShardedAttention(4, 8, dropout=0.1, attention_block=4)(x, training=True)
+    with pytest.raises(ValueError, match="attention_block=0"):
+        ShardedAttention(4, 8, attention_block=0)

@@ -67,7 +67,7 @@ def _strategy(mesh):
     return _STRATEGIES[mesh]
 
 
-def _run(mesh, method, q, k, v, w, mask, causal, balanced):
+def _run(mesh, method, q, k, v, w, mask, causal, balanced, block=None):
     strategy = _strategy(mesh)
     data_size = strategy.mesh.shape.axis_size("data") if "data" in mesh else 1
     parts = strategy.mesh.shape.axis_size("seq")
@@ -88,7 +88,8 @@ def _run(mesh, method, q, k, v, w, mask, causal, balanced):
             with tf.GradientTape() as tape:
                 tape.watch([ql, kl, vl])
                 out = sequence.sequence_attention(ql, kl, vl, "seq", method=method,
-                                                  causal=causal, key_mask=ml, balanced=balanced)
+                                                  causal=causal, key_mask=ml, balanced=balanced,
+                                                  block=block)
                 loss = tf.reduce_sum(out * wl)
             return [out] + tape.gradient(loss, [ql, kl, vl])
 
@@ -136,6 +137,36 @@ def test_equals_dense_attention(mesh, method, causal, balanced, padded, dims):
                                          [pos_q, pos_q, pos_k, pos_k]):
             np.testing.assert_allclose(value[replica], ref[batch_rows][:, pos], **TOL,
                                        err_msg=f"{name} of replica {replica}")
+
+
+@pytest.mark.parametrize("mesh, method, causal", [
+    ("seq:2", "ring", True), ("seq:2", "ulysses", True), ("seq:2", "ring", False)])
+def test_blocks_within_each_device_equal_dense_attention(mesh, method, causal):
+    """block=2: each device's zig-zag chunks of 4 tokens cut in two (causal blocks above the
+    diagonal skipped within a chunk pair too)."""
+    q, k, v, w, mask = _data(2, 16, 16, 4, 2, 8, padded=True)
+    want = _reference(q, k, v, w, causal, mask)
+    got = _run(mesh, method, q, k, v, w, mask, causal, True, block=2)
+    for replica in range(2):
+        pos = _positions(16, 2, replica, True)
+        for name, value, ref in zip(["out", "dq", "dk", "dv"], got, want):
+            np.testing.assert_allclose(value[replica], ref[:, pos], **TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("causal, block", [(True, 4), (True, 5), (False, 3)])
+def test_blockwise_attention_on_one_device_equals_dense_attention(causal, block):
+    """axis None: flash attention's blocks on one device (block 5 of 16 tokens: 4 pieces)."""
+    q, k, v, w, mask = _data(2, 16, 16, 4, 2, 8, padded=True)
+    want = _reference(q, k, v, w, causal, mask)
+    qt, kt, vt = (tf.constant(x) for x in (q, k, v))
+    with tf.GradientTape() as tape:
+        tape.watch([qt, kt, vt])
+        out = sequence.ring_attention(qt, kt, vt, None, causal=causal, key_mask=mask,
+                                      block=block)
+        loss = tf.reduce_sum(out * w)
+    got = [out] + tape.gradient(loss, [qt, kt, vt])
+    for name, value, ref in zip(["out", "dq", "dk", "dv"], got, want):
+        np.testing.assert_allclose(value.numpy(), ref, **TOL, err_msg=name)
 
 
 def test_ring_moves_one_block_per_pair_swap():

@@ -68,6 +68,12 @@ class ShardedAttention(keras.layers.Layer):
             split heads; the local heads must divide by the axis). Attention
             dropout is refused there (one device's masks cannot be reproduced
             block by block).
+        attention_block: compute attention in blocks of at most this many
+            tokens with an online softmax (`tfdist.sequence.blockwise`), on
+            one device as over a split sequence: no `[b, H, Lq, Lk]` tensor
+            is kept (the largest is `[b, H, block, block]`, recomputed in the
+            backward pass) and causal blocks above the diagonal are skipped.
+            None: the dense softmax (on one device). No attention dropout.
 
     Call arguments:
         query: `[b, Lq, d_model]`.
@@ -87,7 +93,8 @@ class ShardedAttention(keras.layers.Layer):
     """
 
     def __init__(self, num_heads, d_kv, dropout=0.0, kernel_initializer="glorot_uniform",
-                 seed=None, remat_core=False, sequence_method="ring", **kwargs):
+                 seed=None, remat_core=False, sequence_method="ring", attention_block=None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.d_kv = check_positive_int("d_kv", d_kv)
@@ -105,6 +112,9 @@ class ShardedAttention(keras.layers.Layer):
             raise ValueError(f"`sequence_method` must be one of {sorted(sequence.METHODS)}. "
                              f"Received: sequence_method={sequence_method!r}")
         self.sequence_method = sequence_method
+        if attention_block is not None:
+            check_positive_int("attention_block", attention_block)
+        self.attention_block = attention_block
         self.weight_layouts = {}
         disable_jit_on_multi_device_mesh(self)
 
@@ -170,7 +180,7 @@ class ShardedAttention(keras.layers.Layer):
                                           axis, dim=0)
         k, v = self.project_kv(memory_all)
         length_axis = sequence.length_axis()
-        if length_axis is not None:  # Lq, Lk: this device's tokens
+        if length_axis is not None or self.attention_block:  # Lq, Lk: this device's tokens
             context = self._attend_split_sequence(self.project_query(query_all), k, v,
                                                   length_axis, causal, mask, training)
         else:
@@ -185,17 +195,20 @@ class ShardedAttention(keras.layers.Layer):
             _project_out, [context, tf.convert_to_tensor(self.output_kernel)], axis, dim=0)
 
     def _attend_split_sequence(self, q, k, v, axis, causal, key_mask, training):
-        """`[b, H_local, Lq / P, d_kv]` attention over a sequence split on mesh axis `axis`."""
+        """`[b, H_local, Lq / P, d_kv]` blockwise attention, over a sequence split on mesh
+        axis `axis` (None: this device's whole sequence)."""
         if training and self.dropout:
+            where = (f"with `length` split over mesh axis {axis!r}" if axis
+                     else f"with attention_block={self.attention_block}")
             raise ValueError(
-                f"Layer {self.name!r}: attention dropout ({self.dropout}) with `length` split "
-                f"over mesh axis {axis!r} is not supported; set dropout=0.0 for the attention "
-                f"(residual and feed-forward dropout work per token).")
+                f"Layer {self.name!r}: attention dropout ({self.dropout}) {where} is not "
+                f"supported; set dropout=0.0 for the attention (residual and feed-forward "
+                f"dropout work per token).")
         heads_last = [0, 2, 1, 3]  # [b, H, L, d_kv] <-> [b, L, H, d_kv]
         context = sequence.sequence_attention(
             tf.transpose(q, heads_last), tf.transpose(k, heads_last), tf.transpose(v, heads_last),
             axis, method=self.sequence_method, causal=causal, key_mask=key_mask, balanced=True,
-            scale=1.0)  # project_query scaled the queries
+            scale=1.0, block=self.attention_block)  # project_query scaled the queries
         return tf.transpose(context, heads_last)
 
     def compute_output_shape(self, query_shape, memory_shape=None):
@@ -206,5 +219,5 @@ class ShardedAttention(keras.layers.Layer):
         config.update(num_heads=self.num_heads, d_kv=self.d_kv, dropout=self.dropout,
                       kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
                       seed=self.seed, remat_core=self.remat_core,
-                      sequence_method=self.sequence_method)
+                      sequence_method=self.sequence_method, attention_block=self.attention_block)
         return config

@@ -84,7 +84,8 @@ def check_shapes(q, k, v, key_mask, causal: bool) -> None:
 
 
 def ring_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_mask=None,
-                   balanced: bool = False, scale: Optional[float] = None):
+                   balanced: bool = False, scale: Optional[float] = None,
+                   block: Optional[int] = None):
     """Dot-product attention over a sequence split along mesh axis `axis`.
 
     Args:
@@ -96,6 +97,10 @@ def ring_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_ma
         balanced: the tokens were split in zig-zag chunks (`SequenceSplit`);
             only matters when `causal`.
         scale: the scores' factor (default `d_kv ** -0.5`).
+        block: at most this many tokens per chunk (each device's chunks cut
+            further): the largest score tensor is `[batch, heads, block,
+            block]` and, when causal, blocks above the diagonal are skipped.
+            On one device (`axis` None) this is flash attention's memory.
 
     Returns:
         `[batch, length_q / P, heads, d_kv]` in `q`'s dtype.
@@ -108,17 +113,38 @@ def ring_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_ma
     else:
         q_ids, k_ids_of = (0,), (lambda j: (0,))
     return attend(q, k, v, key_mask, axis=axis, scale=scale, causal=causal, q_ids=q_ids,
-                  k_ids_of=k_ids_of, index=index, parts=parts)
+                  k_ids_of=k_ids_of, index=index, parts=parts, block=block)
+
+
+def pieces(length: int, block: Optional[int]) -> int:
+    """Into how many equal pieces of at most `block` tokens `length` tokens cut."""
+    if block is None or length <= block:
+        return 1
+    if block < 1:
+        raise ValueError(f"The attention block must be a positive number of tokens; got {block}.")
+    return next(n for n in range(-(-length // block), length + 1) if length % n == 0)
 
 
 def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
-           k_ids_of: Callable[[int], Sequence[int]], index: int, parts: int):
+           k_ids_of: Callable[[int], Sequence[int]], index: int, parts: int,
+           block: Optional[int] = None):
     """Blockwise attention of the local queries over the blocks of a ring of `parts`.
 
     `q_ids`: global chunk ids of the local queries' equal chunks;
     `k_ids_of(j)`: those of the key block device `j` starts with. With
-    `parts == 1` there is no ring (Ulysses's local attention).
+    `parts == 1` there is no ring (Ulysses's local attention). `block`: each
+    chunk cut into pieces of at most that many tokens (ids `chunk * n + i`,
+    so causal order is kept).
     """
+    n_q = pieces(int(q.shape[1]) // len(q_ids), block)
+    n_k = n_q if causal else pieces(int(k.shape[1]) // len(k_ids_of(0)), block)
+    if n_q > 1 or n_k > 1:
+        q_ids = tuple(c * n_q + i for c in q_ids for i in range(n_q))
+        chunk_ids_of = k_ids_of
+
+        def k_ids_of(j):
+            return tuple(c * n_k + i for c in chunk_ids_of(j) for i in range(n_k))
+
     dtype = q.dtype
     b = tf.shape(q)[0]  # partial batches: unknown when traced
     lq, h, d = (int(n) for n in q.shape[1:])

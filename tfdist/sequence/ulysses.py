@@ -28,7 +28,8 @@ from tfdist.sequence.split import SequenceSplit
 
 
 def ulysses_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_mask=None,
-                      balanced: bool = False, scale: Optional[float] = None):
+                      balanced: bool = False, scale: Optional[float] = None,
+                      block: Optional[int] = None):
     """Dot-product attention over a sequence split along `axis`, by head all-to-alls.
 
     Args and returns as `tfdist.sequence.ring_attention`.
@@ -60,7 +61,7 @@ def ulysses_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key
         q_ids = tuple(range(parts)) if length_q % parts == 0 else (0,)
         k_ids = tuple(range(parts)) if length_k % parts == 0 else (0,)
     out = attend(q, k, v, key_mask, axis=None, scale=scale, causal=causal, q_ids=q_ids,
-                 k_ids_of=lambda j: k_ids, index=0, parts=1)
+                 k_ids_of=lambda j: k_ids, index=0, parts=1, block=block)
     if parts > 1:
         out = collectives.all_to_all(out, axis, split_dim=1, concat_dim=2)
     return out
