@@ -171,7 +171,7 @@ def test_blockwise_attention_on_one_device_equals_dense_attention(causal, block)
 
 def test_ring_moves_one_block_per_pair_swap():
     """seq:4, causal: the forward pass hands over 3 blocks (keys, values, validity) and the
-    backward 3 blocks with their gradients plus the gradients home: each a two-device gather
+    backward 3 blocks and 3 times their gradients (the last home): each a two-device gather
     of exactly one block, no other collective."""
     strategy = _strategy("seq:4")
     b, l, h, d = 2, 16, 2, 8
@@ -196,11 +196,11 @@ def test_ring_moves_one_block_per_pair_swap():
            if op.type.startswith("Collective")]
     block = b * h * (l // 4) * d
     validity = b * (l // 4)
-    forward, backward, home = 2 * block + validity, 4 * block + validity, 2 * block
+    keys_values, gradients = 2 * block + validity, 2 * block
     assert {op.type for op in ops} == {"CollectiveGatherV2"}
     assert {int(op.inputs[1].op.get_attr("value").int_val[0]) for op in ops} == {2}  # group size
     sizes = sorted(int(np.prod(op.inputs[0].shape)) for op in ops)
-    assert sizes == sorted([forward] * 3 * 4 + [backward] * 3 * 4 + [home] * 4)
+    assert sizes == sorted([keys_values] * (3 + 3) * 4 + [gradients] * 3 * 4)
 
 
 def test_ring_schedule_visits_every_block_once_and_returns_home():

@@ -15,8 +15,10 @@ one send each way on every backend (`collectives.ppermute`). An odd ring
 shifts by one instead.
 
 Bytes per device: forward `(P - 1)` blocks of keys, values and key validity;
-backward `(P - 1)` blocks of keys, values, validity and their gradients, plus
-one of gradients home.
+backward `(P - 1)` blocks of keys, values and validity, and `P - 1` of their
+gradients (the owner's share stays home; the others' travel from the second
+holder on, the last hand-over home). A block and its gradients travel as two
+hand-overs, so the block need not wait for the previous round's compute.
 
 Shapes: queries `[batch, length_q / P, heads, d_kv]`, keys and values
 `[batch, length_k / P, kv_heads, d_kv]` (grouped queries: `heads` a multiple
@@ -193,22 +195,34 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
             lse_chunks = blockwise.split_rows(lse, len(q_ids), 3)
             delta_chunks = blockwise.split_rows(delta, len(q_ids), 3)
             dq_chunks = [None] * len(q_ids)
+            # The block and the gradients that travel with it are handed over apart:
+            # the block does not wait for the previous round's compute, and a round's
+            # share of the gradients is computed before the previous holder's arrives.
+            # The owner's own share stays home; the others' travel from the second
+            # holder on and come home after the last round (P - 1 hand-overs).
             block = (kb, vb, mask)
-            dk = dv = None
+            own = moving = None
             for t in range(parts):
                 if t:
-                    moved = unpack(collectives.ppermute(pack(*block, dk, dv), axis, rounds[t - 1]),
-                                   shapes + [block_shape, block_shape])
-                    block, (dk, dv) = moved[:3], moved[3:]
+                    block = unpack(collectives.ppermute(pack(*block), axis, rounds[t - 1]),
+                                   shapes)
                 kt, vt, mt = block
-                dk_t, dv_t = blockwise.backward_block(
+                share = blockwise.backward_block(
                     q_chunks, q_ids, do_chunks, lse_chunks, delta_chunks, dq_chunks, kt, vt,
                     mt if has_mask else None, k_ids_of(held[t]), causal, scale)
-                dk = dk_t if dk is None else dk + dk_t
-                dv = dv_t if dv is None else dv + dv_t
+                if t == 0:
+                    own = share
+                elif t == 1:
+                    moving = share
+                else:
+                    moved = unpack(collectives.ppermute(pack(*moving), axis, rounds[t - 1]),
+                                   [block_shape, block_shape])
+                    moving = (moved[0] + share[0], moved[1] + share[1])
+            dk, dv = own
             if parts > 1:
-                dk, dv = unpack(collectives.ppermute(pack(dk, dv), axis, rounds[-1]),
-                                [block_shape, block_shape])
+                home = unpack(collectives.ppermute(pack(*moving), axis, rounds[-1]),
+                              [block_shape, block_shape])
+                dk, dv = dk + home[0], dv + home[1]
             dq = tf.concat([c if c is not None else tf.zeros_like(q_chunks[0])
                             for c in dq_chunks], axis=3)
             dq = tf.transpose(tf.reshape(dq, [b, h, lq, d]), [0, 2, 1, 3])

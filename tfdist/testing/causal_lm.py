@@ -21,6 +21,7 @@ repeated tokens carry the same duplicates on both sides and agree).
 """
 
 import dataclasses
+from typing import Optional
 
 import keras
 import numpy as np
@@ -40,6 +41,7 @@ class LMConfig:
     d_kv: int = 4
     layers: int = 2
     d_ff: int = 32
+    attention_block: Optional[int] = None  # ShardedAttention(attention_block=...)
 
 
 def sinusoids(positions, d_model):
@@ -58,7 +60,8 @@ class CausalLM(keras.Model):
         self.tokens = keras.layers.Embedding(c.vocab, c.d_model, name="tokens")
         self.blocks = [(
             keras.layers.LayerNormalization(name=f"norm_a{i}"),
-            ShardedAttention(c.heads, c.d_kv, sequence_method=method, name=f"attention{i}"),
+            ShardedAttention(c.heads, c.d_kv, sequence_method=method,
+                             attention_block=c.attention_block, name=f"attention{i}"),
             keras.layers.LayerNormalization(name=f"norm_f{i}"),
             keras.layers.Dense(c.d_ff, activation="relu", name=f"ff_in{i}"),
             keras.layers.Dense(c.d_model, name=f"ff_out{i}"),
