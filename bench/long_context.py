@@ -43,8 +43,6 @@ def _config(length):
 
 def job(args):
     """One case, run in every task of a launched job; the controller measures."""
-    import time
-
     if args.engine == "horovod" and args.case != "one":
         import tensorflow as tf
 
@@ -62,12 +60,11 @@ def job(args):
     import numpy as np
     import tensorflow as tf
 
-    from bench.pipeline import _cpu_seconds, _reset_peaks
+    from bench.pipeline import timed_fit
     from tfdist import sequence
     from tfdist.models.transformer import SequenceCrossentropy
     from tfdist.strategies import MeshStrategy
     from tfdist.testing.causal_lm import CausalLM
-    from tfdist.testing.memory import job_status
 
     config = _config(args.length)
     rng = np.random.default_rng(0)
@@ -92,22 +89,11 @@ def job(args):
         model = CausalLM(config, method=args.case if strategy else "ring")
         model.compile(keras.optimizers.Adam(1e-4), SequenceCrossentropy(config.vocab))
     with tf.device(devices[0]):
-        model.fit(x[:rows], y[:rows], batch_size=rows, verbose=0)  # trace, warm up
-        before = job_status("VmRSS")
-        _reset_peaks()
-        cpu = _cpu_seconds()
-        start = time.perf_counter()
-        model.fit(x[rows:], y[rows:], batch_size=rows, verbose=0, shuffle=False)
-        seconds = (time.perf_counter() - start) / args.steps
-        cpu = [(t - cpu.get(pid, 0.0)) / args.steps for pid, t in sorted(_cpu_seconds().items())]
-    peaks = job_status("VmHWM")
-    rise = [peaks[t] - before[t] for t in sorted(before)]
-    if args.engine == "horovod" and args.case != "one":
-        if horovod.hvd.rank():
-            return
-        cpu = sorted(cpu)  # every rank's process: same command line
+        result = timed_fit(model, x, y, rows, args.steps)
+    if args.engine == "horovod" and args.case != "one" and horovod.hvd.rank():
+        return  # rank 0 reports every rank's process (same command line)
     with open(args.result, "w") as f:
-        json.dump({"s_per_step": seconds, "rss_rise": rise, "cpu_s_per_step": cpu}, f)
+        json.dump(result, f)
 
 
 def _run(case, length, processes, steps, tmp, controller_apart=False, engine="mesh"):

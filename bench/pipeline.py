@@ -77,7 +77,6 @@ def _reset_peaks():
 
 def job(args):
     """One case, run in every task of a launched job; the controller measures."""
-    import time
 
     from tfdist.cluster import ClusterConfig
 
@@ -90,7 +89,6 @@ def job(args):
     import tensorflow as tf
 
     from tfdist.pipeline.model import Pipeline
-    from tfdist.testing.memory import job_status
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
@@ -117,18 +115,29 @@ def job(args):
     # controller's client device (job "localhost": a copy of every weight read
     # there for the Keras model).
     with tf.device(devices[0]):
-        model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)  # trace, warm up
-        before = job_status("VmRSS")
-        _reset_peaks()
-        cpu = _cpu_seconds()
-        start = time.perf_counter()
-        model.fit(x[batch:], y[batch:], batch_size=batch, verbose=0, shuffle=False)
-        seconds = (time.perf_counter() - start) / args.steps
-        cpu = [(t - cpu.get(pid, 0.0)) / args.steps for pid, t in sorted(_cpu_seconds().items())]
+        result = timed_fit(model, x, y, batch, args.steps)
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+
+
+def timed_fit(model, x, y, batch, steps):
+    """One warm-up `fit` step on `x[:batch]`, then `steps` timed ones; seconds per step, the CPU
+    seconds per step of every task of the job and each task's peak RSS rise during them."""
+    import time
+
+    from tfdist.testing.memory import job_status
+
+    model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)  # trace, warm up
+    before = job_status("VmRSS")
+    _reset_peaks()
+    cpu = _cpu_seconds()
+    start = time.perf_counter()
+    model.fit(x[batch:], y[batch:], batch_size=batch, verbose=0, shuffle=False)
+    seconds = (time.perf_counter() - start) / steps
+    cpu = [(t - cpu.get(pid, 0.0)) / steps for pid, t in sorted(_cpu_seconds().items())]
     peaks = job_status("VmHWM")
     rise = [peaks[t] - before[t] for t in sorted(before)]
-    with open(args.result, "w") as f:
-        json.dump({"s_per_step": seconds, "rss_rise": rise, "cpu_s_per_step": cpu}, f)
+    return {"s_per_step": seconds, "rss_rise": rise, "cpu_s_per_step": cpu}
 
 
 def _median_run(repeats, *args, **kwargs):

@@ -20,16 +20,15 @@ def one_device():
     return causal_lm.train(None)
 
 
-@pytest.mark.parametrize("mesh, method", [
-    ("seq:2", "ring"),
-    ("seq:4", "ring"),
-    ("data:2;seq:2", "ring"),
-    ("seq:2", "ulysses"),
-    ("data:2;seq:2", "ulysses"),
+@pytest.mark.parametrize("mesh, layout, method", [
+    ("seq:2", "length:seq", "ring"),
+    ("seq:4", "length:seq", "ring"),
+    ("data:2;seq:2", "batch:data;length:seq", "ring"),
+    ("seq:2", "length:seq", "ulysses"),
+    ("data:2;seq:2", "batch:data;length:seq", "ulysses"),
 ])
-def test_fit_equals_one_device(one_device, mesh, method):
-    strategy = MeshStrategy(mesh, layout="batch:data;length:seq" if "data" in mesh
-                            else "length:seq")
+def test_fit_equals_one_device(one_device, mesh, layout, method):
+    strategy = MeshStrategy(mesh, layout=layout)
     losses, weights = causal_lm.train(strategy, method)
     want_losses, want_weights = one_device
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
@@ -48,3 +47,11 @@ def test_split_and_merge_sequences_round_trip():
     np.testing.assert_array_equal(local.numpy()[2:4], x[0:2, 2:6])
     np.testing.assert_array_equal(local_rows.numpy(), [0, 1, 0, 1, 2, 3, 2, 3])
     np.testing.assert_array_equal(sequence.merge_sequences(local.numpy(), strategy.mesh), x)
+
+
+def test_split_sequences_names_what_does_not_divide():
+    mesh = MeshStrategy("data:2;seq:2", layout="batch:data;length:seq").mesh
+    with pytest.raises(ValueError, match=r"length 10 does not split into 2 x 2 zig-zag.*12"):
+        sequence.split_sequences(tf.data.Dataset.from_tensors(np.zeros((4, 10))), mesh)
+    with pytest.raises(ValueError, match=r"batch of 3 rows does not split over the 2 row groups"):
+        sequence.split_sequences(tf.data.Dataset.from_tensors(np.zeros((3, 16))), mesh)
