@@ -20,32 +20,22 @@ add up to one device's mean over the global batch.
 concatenated in device order) back into `[B, L, ...]`.
 """
 
-from typing import Optional
-
 import numpy as np
 import tensorflow as tf
 
-from tfdist.sequence.split import SequenceSplit
+from tfdist.sequence.split import SequenceSplit, sequence_axis
 
 
 def _placement(mesh, axis: str):
-    """Per mesh device: (row group, coordinate on `axis`); and the row-group count."""
-    names = [a for a in mesh.shape.names if a != axis]
-    groups = mesh.shape.size // mesh.shape.axis_size(axis)
-    placement = []
-    for device in range(mesh.shape.size):
-        coords = mesh.shape.coordinates(device)
-        row = 0
-        for name in names:
-            row = row * mesh.shape.axis_size(name) + coords[name]
-        placement.append((row, coords[axis]))
-    return placement, groups
+    """Per mesh device: (row group, coordinate on `axis`); and the row-group count.
 
-
-def sequence_axis(mesh) -> Optional[str]:
-    """The mesh axis `mesh`'s layout puts `length` on (None if none or of size 1)."""
-    axis = mesh.mesh_axis("length")
-    return axis if axis is not None and mesh.axis_size(axis) > 1 else None
+    The groups along `axis` are the row groups, in row-major order of the other axes."""
+    groups = mesh.shape.groups([axis])
+    placement = [None] * mesh.shape.size
+    for row, group in enumerate(groups):
+        for s, device in enumerate(group):
+            placement[device] = (row, s)
+    return placement, len(groups)
 
 
 def split_sequences(dataset: tf.data.Dataset, mesh) -> tf.data.Dataset:

@@ -14,7 +14,8 @@ each block once in `P - 1` rounds and the `P`-th brings them home; a swap is
 one send each way on every backend (`collectives.ppermute`). An odd ring
 shifts by one instead.
 
-Bytes per device: forward `(P - 1)` blocks of keys, values and key validity;
+Bytes per device: forward `(P - 1)` blocks of keys, values and key validity
+(validity only with a key mask);
 backward `(P - 1)` blocks of keys, values and validity, and `P - 1` of their
 gradients (the owner's share stays home; the others' travel from the second
 holder on, the last hand-over home). A block and its gradients travel as two
@@ -156,7 +157,7 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
     rounds = ring_rounds(parts) if parts > 1 else []
     held = holders(parts, index) if parts > 1 else [index]
     has_mask = key_mask is not None
-    mask = tf.cast(key_mask, tf.float32) if has_mask else tf.ones([b, lk], tf.float32)
+    mask = tf.cast(key_mask, tf.float32) if has_mask else tf.zeros([0])  # nothing travels
 
     def to_blocks(x):  # [B, L, K, D] -> [B, K, L, D]
         return tf.transpose(tf.cast(x, tf.float32), [0, 2, 1, 3])
@@ -169,7 +170,13 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
         return [tf.reshape(p, s) for p, s in zip(tf.split(flat, sizes), shapes)]
 
     block_shape = [b, kv_heads, lk, d]
-    shapes = [block_shape, block_shape, [b, lk]]
+    shapes = [block_shape, block_shape] + ([[b, lk]] if has_mask else [])
+
+    def hand_over(block, source):
+        """Another device's keys, values and (with a key mask) validity; the empty
+        stand-in for a missing mask stays here."""
+        moved = unpack(collectives.ppermute(pack(*block[:len(shapes)]), axis, source), shapes)
+        return moved + block[len(shapes):]
 
     @tf.custom_gradient
     def op(q, k, v, mask):
@@ -178,10 +185,10 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
         q_chunks = blockwise.split_rows(qs, len(q_ids), 3)
         kb, vb = to_blocks(k), to_blocks(v)
         state = blockwise.OnlineSoftmax(len(q_ids))
-        block = (kb, vb, mask)
+        block = [kb, vb, mask]
         for t in range(parts):
             if t:
-                block = unpack(collectives.ppermute(pack(*block), axis, rounds[t - 1]), shapes)
+                block = hand_over(block, rounds[t - 1])
             kt, vt, mt = block
             blockwise.forward_block(state, q_chunks, q_ids, kt, vt, mt if has_mask else None,
                                     k_ids_of(held[t]), causal)
@@ -200,12 +207,11 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
             # share of the gradients is computed before the previous holder's arrives.
             # The owner's own share stays home; the others' travel from the second
             # holder on and come home after the last round (P - 1 hand-overs).
-            block = (kb, vb, mask)
+            block = [kb, vb, mask]
             own = moving = None
             for t in range(parts):
                 if t:
-                    block = unpack(collectives.ppermute(pack(*block), axis, rounds[t - 1]),
-                                   shapes)
+                    block = hand_over(block, rounds[t - 1])
                 kt, vt, mt = block
                 share = blockwise.backward_block(
                     q_chunks, q_ids, do_chunks, lse_chunks, delta_chunks, dq_chunks, kt, vt,

@@ -125,10 +125,16 @@ def global_tokens(x, axis: Optional[str], dim: int = 1, balanced: bool = False):
     return tf.gather(gathered, np.argsort(split.order()), axis=dim)
 
 
+def sequence_axis(mesh) -> Optional[str]:
+    """The mesh axis `mesh`'s layout puts `length` on (None if none or of size 1)."""
+    axis = mesh.mesh_axis("length")
+    return axis if axis is not None and mesh.axis_size(axis) > 1 else None
+
+
 def length_axis() -> Optional[str]:
-    """The mesh axis the ambient mesh's layout puts `length` on, if the replica is split on it."""
-    mesh = collectives.current_mesh()
-    axis = None if mesh is None else mesh.mesh_axis("length")
+    """The mesh axis the ambient mesh's layout puts `length` on, if the replica is split on it
+    (None outside a replica: Keras building the model sees whole local shapes)."""
+    axis = sequence_axis(collectives.current_mesh())
     return axis if collectives.axis_size(axis) > 1 else None
 
 

@@ -52,14 +52,11 @@ def ulysses_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key
         if key_mask is not None:
             key_mask = collectives.all_gather(
                 tf.stop_gradient(tf.cast(key_mask, tf.float32)), axis, dim=1)
-    length_q, length_k = int(q.shape[1]), int(k.shape[1])
-    if causal:
-        split = SequenceSplit(length_q, parts, balanced)
-        ids = sum((split.chunks(j) for j in range(parts)), ())
-        q_ids = k_ids = ids
-    else:
-        q_ids = tuple(range(parts)) if length_q % parts == 0 else (0,)
-        k_ids = tuple(range(parts)) if length_k % parts == 0 else (0,)
+    if causal:  # the gathered tokens, device after device: each device's chunks in order
+        split = SequenceSplit(int(q.shape[1]), parts, balanced)
+        q_ids = k_ids = sum((split.chunks(j) for j in range(parts)), ())
+    else:  # one chunk per device's tokens
+        q_ids = k_ids = tuple(range(parts))
     out = attend(q, k, v, key_mask, axis=None, scale=scale, causal=causal, q_ids=q_ids,
                  k_ids_of=lambda j: k_ids, index=0, parts=1, block=block)
     if parts > 1:
