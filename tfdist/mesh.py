@@ -308,6 +308,8 @@ class TensorLayout:
             dimension divides by its mesh axis (equal to `shape` unless the
             layout was made with `pad=True`); the padding lives at the end of
             the last shard.
+        may_pad: the layout was made with `pad=True` (its owner masks padding),
+            so the same tensor on another mesh pads rather than failing.
     """
 
     logical_axes: Tuple[Optional[str], ...]
@@ -315,6 +317,7 @@ class TensorLayout:
     mesh_axes: Tuple[Optional[str], ...]
     mesh_shape: MeshShape
     padded_shape: Optional[Tuple[int, ...]] = None
+    may_pad: bool = False
 
     def __post_init__(self):
         if self.padded_shape is None:
@@ -459,7 +462,7 @@ class Mesh:
                     f"is a multiple of {self.shape.axis_size(a)} or drop the "
                     f"rule '{logical}:{a}'."
                 )
-        return TensorLayout(logical_axes, shape, mesh_axes, self.shape, padded)
+        return TensorLayout(logical_axes, shape, mesh_axes, self.shape, padded, bool(pad))
 
     def __str__(self) -> str:
         return f"mesh {self.shape} with layout {self.rules.to_string() or '(none)'}"

@@ -14,6 +14,8 @@ is the identity.
 """
 
 import abc
+import contextlib
+import threading
 from typing import Optional
 
 from tfdist.mesh import Mesh
@@ -80,9 +82,33 @@ def current_runtime(strategy=None) -> Optional[MeshRuntime]:
 
 
 def current_mesh() -> Mesh:
-    """The mesh of the strategy in scope, or a one-device mesh."""
+    """The mesh of the strategy in scope, else the one `weights_on` names, else a one-device mesh."""
     runtime = current_runtime()
-    return runtime.mesh if runtime is not None else Mesh.single_device()
+    if runtime is not None:
+        return runtime.mesh
+    planned = getattr(_planned, "meshes", None)
+    return planned[-1] if planned else Mesh.single_device()
+
+
+_planned = threading.local()
+
+
+@contextlib.contextmanager
+def weights_on(mesh: Mesh):
+    """Layers built inside lay their weights out for `mesh`, with no strategy.
+
+    For listing the weights a model would make on a mesh (`tfdist.planner`):
+    build inside a `keras.StatelessScope` too, so that nothing is allocated;
+    no collective runs (there is no runtime).
+    """
+    stack = getattr(_planned, "meshes", None)
+    if stack is None:
+        stack = _planned.meshes = []
+    stack.append(mesh)
+    try:
+        yield mesh
+    finally:
+        stack.pop()
 
 
 def is_chief(strategy=None) -> bool:

@@ -1,0 +1,222 @@
+"""The cost model's constants, measured on the machine it runs on.
+
+A short probe, run in a fresh process per device count (TF fixes its devices
+at start-up), measures on a `MeshStrategy` over `n` devices of this process
+(`split_cpu`):
+
+- the matmul rate per device when all `n` devices multiply at once
+  (`[rows, d] x [d, d]` float32, inside one `strategy.run`);
+- for each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over
+  the `n` devices, the time of one call at a small and a large input: the
+  latency alpha and the seconds per byte beta of `alpha + beta * bytes`;
+- the fixed cost of one step (a `strategy.run` of nothing but a scalar sum).
+
+Results are cached per machine (host name and CPU count) in
+`~/.cache/tfdist/planner/` (`TFDIST_PLANNER_CACHE` overrides the directory);
+`Calibration.measure` re-uses them unless asked to re-measure.
+
+    python -m tfdist.planner.probe --devices 4   # one device count, JSON on stdout
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, Sequence, Tuple
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+SMALL_BYTES = 4 << 10
+LARGE_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured constants of the cost model, per device count.
+
+    Args:
+        matmul_flops: `{n: FLOP/s per device while n devices multiply}`.
+        collectives: `{(kind, n): (alpha seconds, beta seconds per byte)}`.
+        step_seconds: `{n: seconds of an empty step on n devices}`.
+        machine: where it was measured.
+    """
+
+    matmul_flops: Dict[int, float]
+    collectives: Dict[Tuple[str, int], Tuple[float, float]]
+    step_seconds: Dict[int, float]
+    machine: str = ""
+
+    def collective_seconds(self, kind: str, group: int, nbytes: float) -> float:
+        if group <= 1:
+            return 0.0
+        alpha, beta = self._nearest(self.collectives, (kind, group))
+        return alpha + beta * nbytes
+
+    def compute_seconds(self, flops: float, devices: int) -> float:
+        return flops / self._nearest(self.matmul_flops, devices)
+
+    def overhead_seconds(self, devices: int) -> float:
+        return self._nearest(self.step_seconds, devices)
+
+    @staticmethod
+    def _nearest(table, key):
+        if key in table:
+            return table[key]
+        if isinstance(key, tuple):  # the same kind at the nearest measured group size
+            same = [k for k in table if k[0] == key[0]]
+            if not same:
+                raise KeyError(f"no {key[0]} measured; measured: {sorted(table)}")
+            return table[min(same, key=lambda k: abs(k[1] - key[1]))]
+        return table[min(table, key=lambda k: abs(k - key))]
+
+    def merged(self, other: "Calibration") -> "Calibration":
+        return Calibration({**self.matmul_flops, **other.matmul_flops},
+                           {**self.collectives, **other.collectives},
+                           {**self.step_seconds, **other.step_seconds}, self.machine)
+
+    def to_json(self) -> dict:
+        return {"machine": self.machine,
+                "matmul_flops": {str(n): r for n, r in self.matmul_flops.items()},
+                "collectives": {f"{k}:{n}": list(ab) for (k, n), ab in self.collectives.items()},
+                "step_seconds": {str(n): s for n, s in self.step_seconds.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        colls = {}
+        for key, ab in data["collectives"].items():
+            kind, n = key.rsplit(":", 1)
+            colls[(kind, int(n))] = tuple(ab)
+        return cls({int(n): r for n, r in data["matmul_flops"].items()}, colls,
+                   {int(n): s for n, s in data["step_seconds"].items()}, data.get("machine", ""))
+
+    @classmethod
+    def measure(cls, device_counts: Sequence[int], refresh: bool = False) -> "Calibration":
+        """The calibration for `device_counts`, from the cache or measured now
+        (one probe process per missing count, a few seconds each)."""
+        path = cache_path()
+        cached = None
+        if os.path.exists(path) and not refresh:
+            with open(path) as f:
+                cached = cls.from_json(json.load(f))
+        have = set(cached.matmul_flops) if cached else set()
+        result = cached or cls({}, {}, {}, machine_name())
+        for n in sorted(set(device_counts) - have):
+            result = result.merged(_probe_process(n))
+        if result is not cached:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(result.to_json(), f, indent=1)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+        return result
+
+
+def machine_name() -> str:
+    return f"{socket.gethostname()}-{os.cpu_count()}cpu"
+
+
+def cache_path() -> str:
+    root = os.environ.get("TFDIST_PLANNER_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "tfdist", "planner"))
+    return os.path.join(root, f"{machine_name()}.json")
+
+
+def _probe_process(n: int) -> Calibration:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-m", "tfdist.planner.probe", "--devices", str(n)],
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"the planner's probe on {n} devices failed:\n{out.stderr[-3000:]}")
+    return Calibration.from_json(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _timed(fn, repeats: int = 7) -> float:
+    fn()  # trace and warm up
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def probe(n: int, rows: int = 1024, width: int = 512, matmuls: int = 8) -> Calibration:
+    """Measures the constants on `n` devices of this process (see the module docstring)."""
+    from tfdist.devices import split_cpu
+
+    split_cpu(n)
+    import tensorflow as tf
+
+    from tfdist import collectives
+    from tfdist.strategies.mesh_strategy import MeshStrategy
+
+    strategy = MeshStrategy(f"data:{n}", "batch:data")
+    axis = "data"
+
+    def run(fn, *args):
+        @tf.function
+        def step():
+            return strategy.run(fn, args=args)
+
+        return lambda: tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                                             strategy.experimental_local_results(step()))
+
+    with strategy.scope():  # variables: inputs that grappler cannot fold into constants
+        x0 = tf.Variable(tf.random.stateless_normal([rows, width], seed=[1, 2]))
+        w = tf.Variable(tf.random.stateless_normal([width, width], seed=[3, 4]) * 0.03)
+        data = tf.Variable(tf.random.stateless_normal([LARGE_BYTES // 4], seed=[5, 6]))
+
+        def matmuls_fn():
+            x = x0
+            for _ in range(matmuls):
+                x = tf.matmul(x, w)
+            return tf.reduce_sum(x)
+
+        def empty_fn():
+            return tf.reduce_sum(tf.ones([4]))
+
+        base = _timed(run(empty_fn))
+        seconds = max(_timed(run(matmuls_fn)) - base, 1e-9)
+        rate = 2.0 * rows * width * width * matmuls / seconds
+
+        def collective(kind, nbytes):
+            floats = max(n, nbytes // 4 // n * n)
+
+            def fn():
+                x = data[:floats]
+                if kind == "all_reduce":
+                    y = collectives.psum(x, axis)
+                elif kind == "all_gather":
+                    y = collectives.all_gather(x, axis, dim=0)
+                elif kind == "reduce_scatter":
+                    y = collectives.reduce_scatter(x, axis, dim=0)
+                else:
+                    y = collectives.all_to_all(tf.reshape(x, [n, -1]), axis, split_dim=0,
+                                               concat_dim=0)
+                return tf.reduce_sum(y)
+
+            return max(_timed(run(fn)) - base, 0.0)
+
+        colls = {}
+        for kind in KINDS:
+            small, large = collective(kind, SMALL_BYTES), collective(kind, LARGE_BYTES)
+            beta = max(large - small, 0.0) / (LARGE_BYTES - SMALL_BYTES)
+            colls[(kind, n)] = (max(small - beta * SMALL_BYTES, 0.0), beta)
+    return Calibration({n: rate}, colls if n > 1 else {}, {n: base}, machine_name())
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, required=True)
+    args = parser.parse_args(argv)
+    print(json.dumps(probe(args.devices).to_json()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

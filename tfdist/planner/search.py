@@ -1,0 +1,142 @@
+"""Enumerate the layouts tfdist can run, predict each, rank them.
+
+A candidate is a mesh `data:N/A;model:A` (A dividing the N devices) with the
+rule `batch:data` and, for A > 1, a non-empty set of the model's splittable
+logical axes (`heads`, `d_ff`, `vocab`, `experts`, `classes`) on `model`.
+Candidates whose weights do not divide (and may not pad) are dropped with
+the reason; the rest get their bytes per device (`memory.py`), their step's
+work (`workload.py`) and its predicted time under a `Calibration`:
+
+    step = overhead(N) + flops / rate(N) + sum over collectives of
+           count * (alpha(kind, group) + beta(kind, group) * bytes)
+
+Those that fit `memory_per_device` are ranked by predicted step time.
+"""
+
+import dataclasses
+import itertools
+from typing import List, Optional, Sequence, Tuple
+
+from tfdist.mesh import Mesh
+from tfdist.planner.inventory import Inventory
+from tfdist.planner.memory import Memory, state_bytes
+from tfdist.planner.probe import Calibration
+from tfdist.planner.workload import Work
+
+MODEL_AXES = ("heads", "d_ff", "vocab", "experts", "classes")
+
+
+class NoLayoutFits(ValueError):
+    """No candidate layout fits the memory given per device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One predicted layout: its `mesh`, bytes per device, work and step time."""
+
+    mesh: Mesh
+    memory: Memory
+    work: Work
+    step_seconds: float
+
+    @property
+    def flags(self) -> str:
+        return f"--mesh_shape='{self.mesh.shape}' --layout='{self.mesh.rules}'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The ranked candidates that fit (fastest first) and those that do not."""
+
+    ranked: Tuple[Candidate, ...]
+    too_big: Tuple[Candidate, ...]
+    invalid: Tuple[Tuple[str, str], ...]
+    memory_per_device: Optional[int]
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+    def table(self) -> str:
+        """The ranked table: mesh, layout, memory per device, predicted step, bytes sent."""
+        header = (f"{'#':>2}  {'mesh':<16} {'layout':<44} {'state MiB':>9} {'total MiB':>9} "
+                  f"{'step ms':>8} {'sent MiB':>8}")
+        lines = [header, "-" * len(header)]
+        for i, c in enumerate(self.ranked + self.too_big, 1):
+            mark = "" if i <= len(self.ranked) else "  (does not fit)"
+            lines.append(f"{i:>2}  {str(c.mesh.shape):<16} {str(c.mesh.rules):<44} "
+                         f"{c.memory.state / 2**20:>9.2f} {c.memory.total / 2**20:>9.2f} "
+                         f"{1e3 * c.step_seconds:>8.2f} {c.work.bytes_sent / 2**20:>8.2f}{mark}")
+        return "\n".join(lines)
+
+
+def meshes(logical_axes: Sequence[str], num_devices: int) -> List[Mesh]:
+    """Every `data x model` mesh over `num_devices` whose rules split some of a
+    model's `logical_axes` (those in `MODEL_AXES`) over `model`."""
+    splittable = [a for a in MODEL_AXES if a in logical_axes]
+    out = []
+    for model in (a for a in range(1, num_devices + 1) if num_devices % a == 0):
+        shape = f"data:{num_devices // model};model:{model}"
+        if model == 1:
+            out.append(Mesh.parse(shape, "batch:data"))
+            continue
+        for k in range(1, len(splittable) + 1):
+            for chosen in itertools.combinations(splittable, k):
+                rules = ";".join(["batch:data"] + [f"{a}:model" for a in chosen])
+                out.append(Mesh.parse(shape, rules))
+    return out
+
+
+def step_seconds(work: Work, devices: int, calibration: Calibration) -> float:
+    """The cost model (see the module docstring)."""
+    seconds = calibration.overhead_seconds(devices) + \
+        calibration.compute_seconds(work.flops, devices)
+    for c in work.collectives:
+        seconds += c.count * calibration.collective_seconds(c.kind, c.group, c.bytes)
+    return seconds
+
+
+def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibration,
+         memory_per_device: Optional[int] = None) -> Plan:
+    """Predicts every candidate mesh and ranks those that fit.
+
+    Args:
+        candidates: the `Mesh`es to weigh.
+        inventory_of: `mesh -> Inventory`, what the model stores on a mesh.
+        work_of: `(mesh, inventory) -> Work`, the model's step on a mesh.
+        calibration: the machine's `Calibration`.
+        memory_per_device: bytes a device may hold (None: no limit).
+
+    Raises:
+        NoLayoutFits: no candidate fits; the message names the least memory
+            per device that would, and its layout.
+    """
+    fits, too_big, invalid = [], [], []
+    for mesh in candidates:
+        try:
+            inventory = inventory_of(mesh)
+            weights, optimizer, gradients = state_bytes(inventory, mesh)
+            work = work_of(mesh, inventory)
+        except ValueError as e:
+            invalid.append((str(mesh), str(e)))
+            continue
+        memory = Memory(weights, optimizer, gradients, work.activations)
+        candidate = Candidate(mesh, memory, work, step_seconds(work, mesh.size, calibration))
+        if memory_per_device is None or memory.total <= memory_per_device:
+            fits.append(candidate)
+        else:
+            too_big.append(candidate)
+    if not fits:
+        if not too_big:
+            reasons = "; ".join(f"{m}: {why}" for m, why in invalid[:3])
+            raise NoLayoutFits(f"no layout of the model is valid on these devices: {reasons}")
+        least = min(too_big, key=lambda c: c.memory.total)
+        raise NoLayoutFits(
+            f"no layout fits in memory_per_device={memory_per_device:,} bytes; the least any "
+            f"takes is {least.memory.total:,} bytes per device ({least.mesh}: weights "
+            f"{least.memory.weights:,}, optimizer {least.memory.optimizer:,}, gradients "
+            f"{least.memory.gradients:,}, activations {least.memory.activations:,}). Give at "
+            f"least that much, more devices, or a smaller batch.")
+    fits.sort(key=lambda c: c.step_seconds)
+    too_big.sort(key=lambda c: c.memory.total)
+    return Plan(tuple(fits), tuple(too_big), tuple(invalid), memory_per_device)

@@ -1,0 +1,197 @@
+"""What one training step of a model asks of each device under a layout.
+
+Dimension cheat-sheet:
+
+    N  devices          B  global batch (rows)      L  length
+    b  rows per device = B / N (tfdist splits the batch over every device;
+       devices along a model axis hold different rows, see tensor_parallel.py)
+    t  tokens per device = b * L
+    d  d_model   F  d_ff   H  heads   K  d_kv   V  vocab   E  experts
+    A  size of the mesh axis a block's rule splits it over (1: not split)
+
+Compute is the same on every layout (a split block computes on the A-fold
+gathered rows with 1/A of the weight), so layouts differ in what they send:
+
+    attention with heads on A, FFN with d_ff on A (Megatron column then row):
+        forward  all_gather  x [b, L, d] -> [b*A, L, d];  reduce_scatter of
+                 the partial sums [b*A, L, d] -> [b, L, d]
+        backward the transposes: reduce_scatter, all_gather (same bytes)
+    embedding with vocab on A: all_gather of the ids, reduce_scatter of the
+        looked-up rows (backward: an all_gather)
+    tied softmax with vocab on A: all_gather of the states (backward:
+        reduce_scatter), two all-reduces of [b*A, L] (max, sum)
+    MoE with experts on A: two all_to_all of the [E, G, C, d] buffers
+        forward, two backward
+    gradients: every trainable weight's local gradient summed over the devices
+        holding the same shard, fused into buckets of `bucket_bytes`.
+
+Activations are estimated from the tensors each block keeps for its backward
+pass (float32): see `_transformer_activations`.
+"""
+
+import dataclasses
+import math
+from typing import Dict, Optional, Tuple
+
+from tfdist.mesh import Mesh
+from tfdist.planner.inventory import Inventory
+from tfdist.planner.memory import local_bytes
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """`count` collectives of one `kind` over groups of `group` devices, each
+    taking `bytes` bytes per device as input."""
+
+    kind: str
+    group: int
+    bytes: int
+    count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One step's work per device: `flops`, `collectives`, `activations` bytes."""
+
+    flops: float
+    collectives: Tuple[Collective, ...]
+    activations: int
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes each device sends per step (ring / pairwise algorithms)."""
+        total = 0
+        for c in self.collectives:
+            share = (c.group - 1) / c.group
+            per = {"all_reduce": 2 * share * c.bytes, "all_gather": (c.group - 1) * c.bytes,
+                   "reduce_scatter": share * c.bytes, "all_to_all": share * c.bytes}[c.kind]
+            total += c.count * per
+        return int(total)
+
+
+def gradient_collectives(inventory: Inventory, mesh: Mesh,
+                         bucket_bytes: int = 25 << 20) -> Tuple[Collective, ...]:
+    """The gradient all-reduces of `inventory`'s trainable weights on `mesh`.
+
+    A weight's gradient is summed over the devices holding its shard
+    (`TensorLayout.shard_owner_groups`); tfdist fuses those of one group size
+    into buckets of at most `bucket_bytes`.
+    """
+    by_group: Dict[int, int] = {}
+    for entry in inventory.weights:
+        if not entry.trainable:
+            continue
+        layout = mesh.tensor_layout(entry.axes, entry.shape, pad=entry.may_pad)
+        group = mesh.size // layout.num_shards
+        if group > 1:
+            by_group[group] = by_group.get(group, 0) + local_bytes(entry, mesh)
+    out = []
+    for group, total in sorted(by_group.items()):
+        buckets = max(1, math.ceil(total / bucket_bytes))
+        out.append(Collective("all_reduce", group, total // buckets, buckets))
+    return tuple(out)
+
+
+def transformer_work(config, mesh: Mesh, batch: int, length: int,
+                     inventory: Optional[Inventory] = None,
+                     bucket_bytes: int = 25 << 20) -> Work:
+    """A `tfdist.models.Transformer` training step of `batch` rows of `length`
+    source and target tokens on `mesh` (see the module docstring).
+
+    Args:
+        config: the model's `TransformerConfig`.
+        mesh: the candidate `Mesh` (shape and rules).
+        batch: global rows per step.
+        length: tokens per row (source and target).
+        inventory: the model's `Inventory` (its gradients); None: no gradient
+            collectives counted.
+        bucket_bytes: the strategy's gradient bucket size.
+    """
+    c = config
+    n = mesh.size
+    t = batch * length / n
+    b = batch / n
+    d, f, h, k, v = c.d_model, c.d_ff, c.num_heads, c.d_kv, c.vocab_size
+    word = 4
+
+    def split(logical):
+        return mesh.axis_size(mesh.mesh_axis(logical))
+
+    a_heads, a_ff, a_vocab, a_exp = split("heads"), split("d_ff"), split("vocab"), split("experts")
+    colls = []
+
+    def megatron(a, rows_bytes, times=1):
+        # forward all_gather + reduce_scatter, backward the same two again
+        if a > 1:
+            colls.append(Collective("all_gather", a, int(rows_bytes), 2 * times))
+            colls.append(Collective("reduce_scatter", a, int(a * rows_bytes), 2 * times))
+
+    x_bytes = t * d * word
+    attention_flops = 2 * t * d * h * k * 4 + 2 * 2 * b * h * length * length * k
+    ffn_flops = 2 * 2 * t * d * f
+    moe_tokens = min(1.0, c.moe_top_k * c.moe_capacity_factor / max(1, c.moe_experts)) * \
+        max(1, c.moe_experts) if c.moe_experts else 0.0  # expert slots per token
+    moe_flops = ffn_flops * moe_tokens + 2 * t * d * c.moe_experts
+    layers = [("encoder", i) for i in range(c.num_encoder_layers)] + \
+             [("decoder", i) for i in range(c.num_decoder_layers)]
+    flops = 0.0
+    for side, i in layers:
+        attentions = 1 if side == "encoder" else 2
+        flops += attentions * attention_flops
+        megatron(a_heads, x_bytes, attentions)
+        if side == "decoder":
+            megatron(a_heads, x_bytes)  # the encoder memory gathered for the cross keys
+        if c.moe_experts and i % 2 == 1:
+            flops += moe_flops
+            buffer = int(moe_tokens * t * d * word)
+            if a_exp > 1:
+                colls.append(Collective("all_to_all", a_exp, buffer, 4))
+            elif a_ff > 1:
+                megatron(a_ff, x_bytes)
+        else:
+            flops += ffn_flops
+            megatron(a_ff, x_bytes)
+    flops += 2 * t * d * v  # the tied softmax
+    lookups = 2
+    if a_vocab > 1:
+        colls.append(Collective("all_gather", a_vocab, int(t * 4), lookups))  # ids
+        colls.append(Collective("reduce_scatter", a_vocab, int(a_vocab * x_bytes), lookups))
+        colls.append(Collective("all_gather", a_vocab, int(x_bytes), lookups))  # backward
+        megatron(a_vocab, x_bytes)  # the softmax's states
+        colls.append(Collective("all_reduce", a_vocab, int(a_vocab * t * word), 2))
+    flops *= 3  # forward + backward (two matmuls per forward one)
+    if inventory is not None:
+        colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
+    activations = _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp)
+    return Work(flops, tuple(colls), int(activations))
+
+
+def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> float:
+    """Bytes one device keeps for the backward pass (float32, no remat).
+
+    Per attention: the normalized input (d) and its A-fold gathered copy,
+    q, k, v and the context (H*K each), the scores and probabilities
+    [b, H, L, L] (and the dropout mask on them), the residual's dropout mask.
+    Per FFN: the normalized and gathered input, the hidden units before and
+    after the ReLU (F each). The softmax: the logits and their gradient (V
+    each). Per token and embedding lookup: its row (d).
+    """
+    d, f, h, k, v = c.d_model, c.d_ff, c.num_heads, c.d_kv, c.vocab_size
+    drop = 1 if c.dropout else 0
+    per_attention = t * (2 * d + (a_heads - 1) * d + 4 * h * k + drop * d) + \
+        (2 + drop) * b * h * length * length
+    per_ffn = t * (2 * d + (a_ff - 1) * d + 2 * f + drop * d)
+    if c.moe_experts:
+        slots = min(1.0, c.moe_top_k * c.moe_capacity_factor / c.moe_experts) * c.moe_experts
+        per_moe = t * (2 * d + slots * (2 * d + 2 * f) + c.moe_experts)
+    else:
+        per_moe = per_ffn
+    floats = 0.0
+    for side, count in (("encoder", c.num_encoder_layers), ("decoder", c.num_decoder_layers)):
+        for i in range(count):
+            floats += per_attention * (1 if side == "encoder" else 2)
+            floats += per_moe if c.moe_experts and i % 2 == 1 else per_ffn
+    floats += t * (2 * v + (a_vocab - 1) * d) + 2 * t * d
+    return floats * 4
