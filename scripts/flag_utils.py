@@ -22,10 +22,46 @@ def _parses(parse):
     return check
 
 
-def validate_mesh_flags(mesh_flag: str = "mesh_shape", layout_flag: str = "layout") -> None:
-    """Rejects a malformed mesh shape or layout at flag parsing, with the parser's message."""
+def validate_mesh_flags(mesh_flag: str = "mesh_shape", layout_flag: str = "layout",
+                        allow_auto: bool = False) -> None:
+    """Rejects a malformed mesh shape or layout at flag parsing, with the parser's message
+    (`allow_auto`: the layout may be `auto`, the planner's choice)."""
     flags.register_validator(mesh_flag, _parses(MeshShape.parse), "")
-    flags.register_validator(layout_flag, _parses(LayoutRules.parse), "")
+    layouts = LayoutRules.parse
+    if allow_auto:
+        def layouts(value):
+            return None if value == "auto" else LayoutRules.parse(value)
+    flags.register_validator(layout_flag, _parses(layouts), "")
+
+
+def validate_bytes_flag(name: str) -> None:
+    """Rejects a malformed memory size (`parse_bytes`) at flag parsing."""
+    flags.register_validator(name, _parses(parse_bytes), "")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_bytes(value: str):
+    """`"2GiB"`, `"512MiB"`, `"1e9"` -> bytes (an int); `""` -> None.
+
+    Raises:
+        ValueError: naming the value and the units understood.
+    """
+    value = value.strip()
+    if not value:
+        return None
+    match = re.fullmatch(r"([0-9.eE+]+)\s*([A-Za-z]*)", value)
+    unit = match.group(2).lower() if match else None
+    try:
+        number = float(match.group(1)) if match else -1.0
+    except ValueError:
+        number = -1.0
+    if unit not in _UNITS or not number > 0:
+        raise ValueError(f"memory size {value!r} is not a positive number of bytes with one of "
+                         f"the units {sorted(u for u in _UNITS if u)} (e.g. 2GiB, 512MiB, 1e9).")
+    return int(number * _UNITS[unit])
 
 
 def define_cluster_flags() -> None:

@@ -31,7 +31,8 @@ from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
 from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
-                        devices_from_flags, run, strategy_from_flags, validate_mesh_flags)
+                        devices_from_flags, parse_bytes, run, strategy_from_flags,
+                        validate_bytes_flag, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -39,7 +40,12 @@ FLAGS = flags.FLAGS
 def define_flags():
     run, model = NMTConfig(), TransformerConfig(vocab_size=1)
     flags.DEFINE_string("mesh_shape", run.mesh.mesh_shape, "Mesh-TF mesh shape.")
-    flags.DEFINE_string("layout", run.mesh.layout, "Mesh-TF layout rules.")
+    flags.DEFINE_string("layout", run.mesh.layout,
+                        "Mesh-TF layout rules, or 'auto': the planner picks the mesh shape and "
+                        "rules over --mesh_shape's devices (scripts/plan.py prints its table).")
+    flags.DEFINE_string("memory_per_device", "",
+                        "--layout=auto: bytes a device may hold, e.g. 2GiB, 512MiB, 1e9 "
+                        "(empty: no bound).")
     flags.DEFINE_string("corpus", run.corpus, f"Built-in corpus: {list(NMTConfig.CORPORA)}.")
     for name in ("train_src", "train_tgt", "test_src", "test_tgt", "train_tsv", "test_tsv",
                  "spm_model"):
@@ -83,14 +89,15 @@ def define_flags():
                          "Pipeline: virtual stages per device (interleaved_1f1b).")
     flags.DEFINE_boolean("xla", True, "jit_compile the training step where TF can.")
     flags.DEFINE_string("model_dir", None, "Config, checkpoints, tokenizer, TensorBoard logs.")
-    validate_mesh_flags()
+    validate_mesh_flags(allow_auto=True)
+    validate_bytes_flag("memory_per_device")
     define_cluster_flags()
     define_checkpoint_flags()
 
 
-def config_from_flags() -> NMTConfig:
-    model = TransformerConfig(
-        vocab_size=FLAGS.vocab_size, d_model=FLAGS.d_model, num_heads=FLAGS.num_heads,
+def model_config_from_flags(vocab_size=None) -> TransformerConfig:
+    return TransformerConfig(
+        vocab_size=vocab_size or FLAGS.vocab_size, d_model=FLAGS.d_model, num_heads=FLAGS.num_heads,
         d_kv=FLAGS.d_kv, d_ff=FLAGS.d_ff, num_encoder_layers=FLAGS.num_encoder_layers,
         num_decoder_layers=FLAGS.num_decoder_layers, max_length=FLAGS.max_length,
         dropout=FLAGS.dropout, positions=FLAGS.positions,
@@ -98,8 +105,12 @@ def config_from_flags() -> NMTConfig:
         moe_top_k=FLAGS.moe_top_k, moe_group_size=FLAGS.moe_group_size,
         moe_routing=FLAGS.moe_routing, moe_dropless=FLAGS.moe_dropless,
         moe_shared_d_ff=FLAGS.moe_shared_d_ff, remat=FLAGS.remat)
+
+
+def config_from_flags() -> NMTConfig:
     return NMTConfig(
-        mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), model=model, corpus=FLAGS.corpus,
+        mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), model=model_config_from_flags(),
+        corpus=FLAGS.corpus,
         train_src=FLAGS.train_src, train_tgt=FLAGS.train_tgt, test_src=FLAGS.test_src,
         test_tgt=FLAGS.test_tgt, train_tsv=FLAGS.train_tsv, test_tsv=FLAGS.test_tsv,
         num_train=FLAGS.num_train, num_test=FLAGS.num_test, spm_model=FLAGS.spm_model,
@@ -110,6 +121,27 @@ def config_from_flags() -> NMTConfig:
         eval_sentences=FLAGS.eval_sentences, seed=FLAGS.seed,
         num_microbatches=FLAGS.num_microbatches, pipeline_schedule=FLAGS.pipeline_schedule,
         pipeline_chunks=FLAGS.pipeline_chunks).validate()
+
+
+def plan_from_flags():
+    """The planner's ranking over the devices of --mesh_shape, for this script's model.
+
+    The model as the flags give it, its vocabulary rounded up as the tokenizer
+    rounds it on any mesh of those devices; a step of the most rows of
+    --max_length tokens that --max_tokens holds (rounded down to a multiple of
+    the devices); --memory_per_device bounds each device.
+    """
+    import math
+
+    from tfdist.mesh import MeshShape
+    from tfdist.planner import plan
+
+    devices = MeshShape.parse(FLAGS.mesh_shape).size
+    multiple = math.lcm(8, devices)
+    vocab = -(-FLAGS.vocab_size // multiple) * multiple
+    rows = max(devices, FLAGS.max_tokens // FLAGS.max_length // devices * devices)
+    return plan(model_config_from_flags(vocab), devices, global_batch=rows,
+                length=FLAGS.max_length, memory_per_device=parse_bytes(FLAGS.memory_per_device))
 
 
 def resolved_flags() -> str:
@@ -140,6 +172,11 @@ def main(argv):
     del argv
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
+        if FLAGS.layout == "auto":
+            ranked = plan_from_flags()
+            print(ranked.table(), flush=True)
+            FLAGS.mesh_shape, FLAGS.layout = str(ranked.best.mesh.shape), str(ranked.best.mesh.rules)
+            print(f"train_nmt: --layout=auto chose {ranked.best.flags}", flush=True)
         config = config_from_flags()
         mesh = config.mesh.mesh()
         plan = config.pipeline_plan()

@@ -54,6 +54,8 @@ _EXPORTS = {
     "build_token_mlp": "tfdist.models",
     # activation recomputation
     "remat": "tfdist.recompute",
+    # the layout planner
+    "plan": "tfdist.planner",
     # virtual CPU devices (a laptop, tests, demos)
     "split_cpu": "tfdist.devices",
 }

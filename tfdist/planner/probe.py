@@ -9,6 +9,8 @@ at start-up), measures on a `MeshStrategy` over `n` devices of this process
 - for each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over
   the `n` devices, the time of one call at a small and a large input: the
   latency alpha and the seconds per byte beta of `alpha + beta * bytes`;
+- the seconds per byte of an optimizer update (Adam's arithmetic on a weight,
+  its gradient and two slots, all float32) when all `n` devices update at once;
 - the fixed cost of one step (a `strategy.run` of nothing but a scalar sum).
 
 Results are cached per machine (host name and CPU count) in
@@ -40,12 +42,15 @@ class Calibration:
         matmul_flops: `{n: FLOP/s per device while n devices multiply}`.
         collectives: `{(kind, n): (alpha seconds, beta seconds per byte)}`.
         step_seconds: `{n: seconds of an empty step on n devices}`.
+        update_seconds: `{n: seconds per weight byte of an Adam update while n
+            devices update}`.
         machine: where it was measured.
     """
 
     matmul_flops: Dict[int, float]
     collectives: Dict[Tuple[str, int], Tuple[float, float]]
     step_seconds: Dict[int, float]
+    update_seconds: Dict[int, float] = dataclasses.field(default_factory=dict)
     machine: str = ""
 
     def collective_seconds(self, kind: str, group: int, nbytes: float) -> float:
@@ -59,6 +64,9 @@ class Calibration:
 
     def overhead_seconds(self, devices: int) -> float:
         return self._nearest(self.step_seconds, devices)
+
+    def update_seconds_for(self, weight_bytes: float, devices: int) -> float:
+        return weight_bytes * self._nearest(self.update_seconds, devices)
 
     @staticmethod
     def _nearest(table, key):
@@ -74,13 +82,15 @@ class Calibration:
     def merged(self, other: "Calibration") -> "Calibration":
         return Calibration({**self.matmul_flops, **other.matmul_flops},
                            {**self.collectives, **other.collectives},
-                           {**self.step_seconds, **other.step_seconds}, self.machine)
+                           {**self.step_seconds, **other.step_seconds},
+                           {**self.update_seconds, **other.update_seconds}, self.machine)
 
     def to_json(self) -> dict:
         return {"machine": self.machine,
                 "matmul_flops": {str(n): r for n, r in self.matmul_flops.items()},
                 "collectives": {f"{k}:{n}": list(ab) for (k, n), ab in self.collectives.items()},
-                "step_seconds": {str(n): s for n, s in self.step_seconds.items()}}
+                "step_seconds": {str(n): s for n, s in self.step_seconds.items()},
+                "update_seconds": {str(n): s for n, s in self.update_seconds.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
@@ -89,7 +99,9 @@ class Calibration:
             kind, n = key.rsplit(":", 1)
             colls[(kind, int(n))] = tuple(ab)
         return cls({int(n): r for n, r in data["matmul_flops"].items()}, colls,
-                   {int(n): s for n, s in data["step_seconds"].items()}, data.get("machine", ""))
+                   {int(n): s for n, s in data["step_seconds"].items()},
+                   {int(n): s for n, s in data.get("update_seconds", {}).items()},
+                   data.get("machine", ""))
 
     @classmethod
     def measure(cls, device_counts: Sequence[int], refresh: bool = False) -> "Calibration":
@@ -100,8 +112,8 @@ class Calibration:
         if os.path.exists(path) and not refresh:
             with open(path) as f:
                 cached = cls.from_json(json.load(f))
-        have = set(cached.matmul_flops) if cached else set()
-        result = cached or cls({}, {}, {}, machine_name())
+        have = set(cached.update_seconds) if cached else set()
+        result = cached or cls({}, {}, {}, {}, machine_name())
         for n in sorted(set(device_counts) - have):
             result = result.merged(_probe_process(n))
         if result is not cached:
@@ -182,6 +194,18 @@ def probe(n: int, rows: int = 1024, width: int = 512, matmuls: int = 8) -> Calib
         seconds = max(_timed(run(matmuls_fn)) - base, 1e-9)
         rate = 2.0 * rows * width * width * matmuls / seconds
 
+        weight = tf.Variable(data)  # Adam on a LARGE_BYTES weight, as Keras's Adam computes it
+        slots = [tf.Variable(tf.zeros_like(data)) for _ in range(2)]
+
+        def update_fn():
+            g = data * 1e-3
+            slots[0].assign_add((g - slots[0]) * 0.1)
+            slots[1].assign_add((tf.square(g) - slots[1]) * 0.001)
+            weight.assign_sub(slots[0] * 1e-3 / (tf.sqrt(slots[1]) + 1e-7))
+            return tf.constant(0.0)
+
+        update = max(_timed(run(update_fn)) - base, 0.0) / LARGE_BYTES
+
         def collective(kind, nbytes):
             floats = max(n, nbytes // 4 // n * n)
 
@@ -205,7 +229,7 @@ def probe(n: int, rows: int = 1024, width: int = 512, matmuls: int = 8) -> Calib
             small, large = collective(kind, SMALL_BYTES), collective(kind, LARGE_BYTES)
             beta = max(large - small, 0.0) / (LARGE_BYTES - SMALL_BYTES)
             colls[(kind, n)] = (max(small - beta * SMALL_BYTES, 0.0), beta)
-    return Calibration({n: rate}, colls if n > 1 else {}, {n: base}, machine_name())
+    return Calibration({n: rate}, colls if n > 1 else {}, {n: base}, {n: update}, machine_name())
 
 
 def main(argv=None) -> int:

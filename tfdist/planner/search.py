@@ -7,8 +7,8 @@ Candidates whose weights do not divide (and may not pad) are dropped with
 the reason; the rest get their bytes per device (`memory.py`), their step's
 work (`workload.py`) and its predicted time under a `Calibration`:
 
-    step = overhead(N) + flops / rate(N) + sum over collectives of
-           count * (alpha(kind, group) + beta(kind, group) * bytes)
+    step = overhead(N) + flops / rate(N) + update(N) * local trainable bytes
+           + sum over collectives of count * (alpha(kind, group) + beta(kind, group) * bytes)
 
 Those that fit `memory_per_device` are ranked by predicted step time.
 """
@@ -90,7 +90,8 @@ def meshes(logical_axes: Sequence[str], num_devices: int) -> List[Mesh]:
 def step_seconds(work: Work, devices: int, calibration: Calibration) -> float:
     """The cost model (see the module docstring)."""
     seconds = calibration.overhead_seconds(devices) + \
-        calibration.compute_seconds(work.flops, devices)
+        calibration.compute_seconds(work.flops, devices) + \
+        calibration.update_seconds_for(work.update_bytes, devices)
     for c in work.collectives:
         seconds += c.count * calibration.collective_seconds(c.kind, c.group, c.bytes)
     return seconds

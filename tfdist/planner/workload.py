@@ -53,11 +53,13 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One step's work per device: `flops`, `collectives`, `activations` bytes."""
+    """One step's work per device: `flops`, `collectives`, `activations` bytes and
+    the bytes of trainable weights its optimizer updates (`update_bytes`)."""
 
     flops: float
     collectives: Tuple[Collective, ...]
     activations: int
+    update_bytes: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -162,10 +164,12 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
         megatron(a_vocab, x_bytes)  # the softmax's states
         colls.append(Collective("all_reduce", a_vocab, int(a_vocab * t * word), 2))
     flops *= 3  # forward + backward (two matmuls per forward one)
+    update = 0
     if inventory is not None:
         colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
+        update = sum(local_bytes(e, mesh) for e in inventory.weights if e.trainable)
     activations = _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp)
-    return Work(flops, tuple(colls), int(activations))
+    return Work(flops, tuple(colls), int(activations), update)
 
 
 def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> float:
