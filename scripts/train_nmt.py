@@ -30,8 +30,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
-from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
-                        devices_from_flags, parse_bytes, run, strategy_from_flags,
+from flag_utils import (cluster_from_flags, define_checkpoint_flags,  # noqa: E402
+                        define_cluster_flags, devices_from_flags, parse_bytes, run, strategy_from_flags,
                         validate_bytes_flag, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
@@ -137,6 +137,13 @@ def plan_from_flags():
     from tfdist.planner import plan
 
     devices = MeshShape.parse(FLAGS.mesh_shape).size
+    if FLAGS.strategy != "mesh" or cluster_from_flags() is not None:
+        raise ValueError("--layout=auto plans over this machine's devices (--strategy=mesh "
+                         "without a cluster); for Horovod ranks or a cluster run "
+                         "scripts/plan.py and pass the flags it prints.")
+    from tfdist.devices import split_cpu
+
+    split_cpu(devices)  # before the planner's model starts TensorFlow
     multiple = math.lcm(8, devices)
     vocab = -(-FLAGS.vocab_size // multiple) * multiple
     rows = max(devices, FLAGS.max_tokens // FLAGS.max_length // devices * devices)

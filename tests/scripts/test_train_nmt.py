@@ -91,6 +91,7 @@ def test_a_pipelined_transformer_trains_and_translates(run_script, tmp_path):
     (["--remat=blocks"], "flag --remat=blocks: value should be one of <none|full|selective>"),
     (["--mesh_shape=data:2;model"], "Malformed mesh shape pair 'model'"),
     (["--checkpoint_format=zip"], "value should be one of <npz|sharded>"),
+    (["--layout=auto", "--memory_per_device=lots"], "memory size 'lots' is not a positive number"),
     (["--num_microbatches=2"], "num_microbatches=2 and pipeline_chunks=1 need a stage axis"),
     (["--mesh_shape=stage:3", "--layout=layers:stage"],
      "num_layers=4 does not split over mesh axis stage:3"),

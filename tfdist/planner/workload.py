@@ -16,10 +16,15 @@ gathered rows with 1/A of the weight), so layouts differ in what they send:
         forward  all_gather  x [b, L, d] -> [b*A, L, d];  reduce_scatter of
                  the partial sums [b*A, L, d] -> [b, L, d]
         backward the transposes: reduce_scatter, all_gather (same bytes)
+        (attention also gathers its key padding mask [b, L], and a decoder's
+        cross-attention the encoder's output: an all_gather forward, a
+        reduce_scatter backward)
     embedding with vocab on A: all_gather of the ids, reduce_scatter of the
         looked-up rows (backward: an all_gather)
-    tied softmax with vocab on A: all_gather of the states (backward:
-        reduce_scatter), two all-reduces of [b*A, L] (max, sum)
+    tied softmax with vocab on A: all_gather of the states and the labels
+        (backward: reduce_scatter of the states'), all-reduces of [b*A, L]:
+        max, sum, target logit forward, the placed gradient backward (and
+        [b*A, L, 2] logit sums with label smoothing)
     MoE with experts on A: two all_to_all of the [E, G, C, d] buffers
         forward, two backward
     gradients: every trainable weight's local gradient summed over the devices
@@ -98,7 +103,7 @@ def gradient_collectives(inventory: Inventory, mesh: Mesh,
 
 def transformer_work(config, mesh: Mesh, batch: int, length: int,
                      inventory: Optional[Inventory] = None,
-                     bucket_bytes: int = 25 << 20) -> Work:
+                     bucket_bytes: int = 25 << 20, label_smoothing: float = 0.0) -> Work:
     """A `tfdist.models.Transformer` training step of `batch` rows of `length`
     source and target tokens on `mesh` (see the module docstring).
 
@@ -110,6 +115,7 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
         inventory: the model's `Inventory` (its gradients); None: no gradient
             collectives counted.
         bucket_bytes: the strategy's gradient bucket size.
+        label_smoothing: the loss's (one more all-reduce when split).
     """
     c = config
     n = mesh.size
@@ -143,8 +149,11 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
         attentions = 1 if side == "encoder" else 2
         flops += attentions * attention_flops
         megatron(a_heads, x_bytes, attentions)
-        if side == "decoder":
-            megatron(a_heads, x_bytes)  # the encoder memory gathered for the cross keys
+        if a_heads > 1:  # the key padding masks (encoder self, cross), forward only
+            colls.append(Collective("all_gather", a_heads, int(t * word), 1))
+        if side == "decoder" and a_heads > 1:  # the encoder memory, gathered for the cross keys
+            colls.append(Collective("all_gather", a_heads, int(x_bytes), 1))
+            colls.append(Collective("reduce_scatter", a_heads, int(a_heads * x_bytes), 1))
         if c.moe_experts and i % 2 == 1:
             flops += moe_flops
             buffer = int(moe_tokens * t * d * word)
@@ -161,8 +170,14 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
         colls.append(Collective("all_gather", a_vocab, int(t * 4), lookups))  # ids
         colls.append(Collective("reduce_scatter", a_vocab, int(a_vocab * x_bytes), lookups))
         colls.append(Collective("all_gather", a_vocab, int(x_bytes), lookups))  # backward
-        megatron(a_vocab, x_bytes)  # the softmax's states
-        colls.append(Collective("all_reduce", a_vocab, int(a_vocab * t * word), 2))
+        # the softmax: its states and labels gathered (backward: a reduce_scatter),
+        # the rows' max and sum of exponentials all-reduced
+        colls.append(Collective("all_gather", a_vocab, int(x_bytes), 1))
+        colls.append(Collective("all_gather", a_vocab, int(t * 4), 1))
+        colls.append(Collective("reduce_scatter", a_vocab, int(a_vocab * x_bytes), 1))
+        colls.append(Collective("all_reduce", a_vocab, int(a_vocab * t * word), 4))
+        if label_smoothing:  # the rows' logit sums too
+            colls.append(Collective("all_reduce", a_vocab, int(2 * a_vocab * t * word), 1))
     flops *= 3  # forward + backward (two matmuls per forward one)
     update = 0
     if inventory is not None:

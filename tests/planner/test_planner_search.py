@@ -1,0 +1,118 @@
+"""The planner's candidates, cost model, ranking, memory errors and calibration cache."""
+
+import json
+
+import pytest
+
+from tfdist.mesh import Mesh
+from tfdist.planner import Calibration, Entry, Inventory, NoLayoutFits, meshes, rank
+from tfdist.planner.probe import cache_path
+from tfdist.planner.search import step_seconds
+from tfdist.planner.workload import Collective, Work, gradient_collectives
+
+# A Megatron MLP: d_ff splits, d_model does not.
+MLP = Inventory(
+    weights=(Entry("mlp/inner/kernel", (64, 256), 4, ("d_model", "d_ff")),
+             Entry("mlp/inner/bias", (256,), 4, ("d_ff",)),
+             Entry("mlp/outer/kernel", (256, 64), 4, ("d_ff", "d_model")),
+             Entry("mlp/norm/gamma", (64,), 4, (None,))),
+    optimizer=(Entry("adam/iteration", (), 8, (), False),
+               Entry("adam/mlp_inner_kernel_momentum", (64, 256), 4, ("d_model", "d_ff"), False)))
+
+
+def calibration(alpha=1e-4, beta=1e-9):
+    colls = {(k, n): (alpha, beta) for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                             "all_to_all") for n in (2, 4)}
+    return Calibration({4: 1e10}, colls, {4: 1e-3}, {4: 1e-9}, "test")
+
+
+def mlp_work(activation_bytes=1000):
+    """The MLP's step: gradients summed per shard group; a gather and a reduce-scatter
+    of 4 KB each way when d_ff is split."""
+    def work(mesh, inventory):
+        a = mesh.axis_size(mesh.mesh_axis("d_ff"))
+        colls = list(gradient_collectives(inventory, mesh))
+        if a > 1:
+            colls += [Collective("all_gather", a, 4096, 2), Collective("reduce_scatter", a, 4096 * a, 2)]
+        return Work(1e6, tuple(colls), activation_bytes,
+                    sum(e.bytes for e in inventory.weights) // a)
+    return work
+
+
+def test_candidates_are_every_data_by_model_mesh_with_the_models_axes():
+    got = [(str(m.shape), str(m.rules)) for m in meshes(("d_model", "d_ff", "vocab"), 4)]
+    assert got == [("data:4;model:1", "batch:data"),
+                   ("data:2;model:2", "batch:data;d_ff:model"),
+                   ("data:2;model:2", "batch:data;vocab:model"),
+                   ("data:2;model:2", "batch:data;d_ff:model;vocab:model"),
+                   ("data:1;model:4", "batch:data;d_ff:model"),
+                   ("data:1;model:4", "batch:data;vocab:model"),
+                   ("data:1;model:4", "batch:data;d_ff:model;vocab:model")]
+
+
+def test_gradients_are_summed_over_the_devices_holding_each_shard():
+    mesh = Mesh.parse("data:2;model:2", "batch:data;d_ff:model")
+    got = gradient_collectives(MLP, mesh)
+    # split weights: their halves over the 2 data replicas; the norm over all 4
+    assert got == (Collective("all_reduce", 2, (64 * 256 * 2 + 256) * 4 // 2, 1),
+                   Collective("all_reduce", 4, 64 * 4, 1))
+    buckets = gradient_collectives(MLP, Mesh.parse("data:4", "batch:data"), bucket_bytes=40000)
+    assert [(c.count, c.bytes) for c in buckets] == [(4, 33088 * 4 // 4)]  # 33088 floats in 4 buckets
+
+
+def test_the_step_is_compute_update_and_collectives():
+    work = Work(2e10, (Collective("all_gather", 4, 1000, 3),), 0, 500)
+    want = 1e-3 + 2e10 / 1e10 + 500 * 1e-9 + 3 * (1e-4 + 1e-9 * 1000)
+    assert step_seconds(work, 4, calibration()) == pytest.approx(want)
+    assert work.bytes_sent == 3 * 3 * 1000  # (n - 1) parts of an all-gather
+
+
+def test_cheap_collectives_and_room_to_spare_rank_the_split_first():
+    plan = rank(meshes(("d_ff",), 4), lambda m: MLP, mlp_work(), calibration(1e-7, 1e-12))
+    assert str(plan.best.mesh.rules) == "batch:data;d_ff:model"
+    assert str(plan.best.mesh.shape) == "data:1;model:4"  # the least update and gradient work
+    assert "data:1;model:4" in plan.table()
+
+
+def test_expensive_collectives_rank_data_parallelism_first():
+    plan = rank(meshes(("d_ff",), 4), lambda m: MLP, mlp_work(), calibration(alpha=1.0))
+    assert str(plan.best.mesh.shape) == "data:4;model:1"
+
+
+def test_tight_memory_leaves_only_layouts_that_split_the_weights():
+    whole = sum(e.bytes for e in MLP.weights + MLP.optimizer)
+    grads = sum(e.bytes for e in MLP.weights)
+    plan = rank(meshes(("d_ff",), 4), lambda m: MLP, mlp_work(0), calibration(alpha=1.0),
+                memory_per_device=whole + grads - 1)
+    assert all(c.mesh.shape.axis_size("model") > 1 for c in plan.ranked)
+    assert [str(c.mesh.shape) for c in plan.too_big] == ["data:4;model:1"]
+    assert "(does not fit)" in plan.table()
+
+
+def test_nothing_fits_names_the_least_memory_that_would():
+    with pytest.raises(NoLayoutFits, match=r"memory_per_device=1,000 bytes; the least any takes "
+                                           r"is [0-9,]+ bytes per device \(mesh data:1;model:4"):
+        rank(meshes(("d_ff",), 4), lambda m: MLP, mlp_work(), calibration(), memory_per_device=1000)
+
+
+def test_layouts_that_do_not_divide_are_left_out_with_the_reason():
+    odd = Inventory((Entry("w", (64, 6), 4, ("d_model", "d_ff")),))
+    plan = rank(meshes(("d_ff",), 4), lambda m: odd, mlp_work(), calibration())
+    assert [str(c.mesh.shape) for c in plan.ranked] == ["data:4;model:1", "data:2;model:2"]
+    (mesh, why), = plan.invalid
+    assert "data:1;model:4" in mesh and "does not divide" in why
+
+
+def test_calibration_is_measured_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFDIST_PLANNER_CACHE", str(tmp_path))
+    cal = calibration()
+    with open(cache_path(), "w") as f:
+        json.dump(cal.to_json(), f)
+    assert Calibration.from_json(cal.to_json()) == cal
+
+    def no_probe(n):
+        raise AssertionError("probed although cached")
+
+    monkeypatch.setattr("tfdist.planner.probe._probe_process", no_probe)
+    assert Calibration.measure([4]) == cal
+    assert cal.collective_seconds("all_gather", 8, 0) == 1e-4  # the nearest group measured

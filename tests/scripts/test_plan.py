@@ -1,0 +1,54 @@
+"""scripts/plan.py and train_nmt.py --layout=auto, run as a user would."""
+
+import json
+
+import pytest
+
+from tfdist.planner import Calibration
+from tfdist.planner.probe import cache_path
+
+SMALL = ["--d_model=32", "--d_ff=64", "--num_heads=2", "--d_kv=16", "--num_encoder_layers=2",
+         "--num_decoder_layers=2", "--max_length=24", "--max_tokens=768", "--vocab_size=128"]
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """This machine's calibration cache in `tmp_path`, with in-process collectives far
+    dearer than the update of a weight: the planner's pick is data parallelism."""
+    monkeypatch.setenv("TFDIST_PLANNER_CACHE", str(tmp_path))
+    colls = {(k, n): (1e-2, 1e-9) for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                            "all_to_all") for n in (2, 4)}
+    with open(cache_path(), "w") as f:
+        json.dump(Calibration({2: 1e10, 4: 1e10}, colls, {2: 1e-3, 4: 1e-3},
+                              {2: 1e-9, 4: 1e-9}).to_json(), f)
+
+
+def test_plan_prints_the_ranked_layouts_and_the_flags(run_script, calibrated):
+    result = run_script("plan.py", *SMALL, "--mesh_shape=data:4", "--moe_experts=4",
+                        "--memory_per_device=64MiB", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:4] == ["#", "mesh", "layout", "state"]
+    assert " 1  data:4;model:1   batch:data " in result.stdout
+    assert "experts:model" in result.stdout and "data:1;model:4" in result.stdout
+    assert lines[-1] == "best: --mesh_shape='data:4;model:1' --layout='batch:data'"
+
+
+def test_plan_names_the_least_memory_when_nothing_fits(run_script, calibrated,
+                                                       assert_one_line_error):
+    result = run_script("plan.py", *SMALL, "--mesh_shape=data:2", "--memory_per_device=1KiB",
+                        timeout=300)
+    assert_one_line_error(result, "no layout fits in memory_per_device=1,024 bytes; the least "
+                                  "any takes is")
+
+
+def test_train_nmt_layout_auto_trains_on_the_planners_pick(run_script, calibrated, tmp_path):
+    result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:2", "--layout=auto",
+                        "--num_train=500", "--num_test=10", "--eval_sentences=4",
+                        "--beam_size=1", "--steps=2", "--eval_every=2",
+                        f"--model_dir={tmp_path / 'run'}", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "train_nmt: --layout=auto chose --mesh_shape='data:2;model:1' " \
+           "--layout='batch:data'" in result.stdout
+    assert "final held-out BLEU" in result.stdout
+    assert "--layout=batch:data" in (tmp_path / "run" / "flags.txt").read_text()
