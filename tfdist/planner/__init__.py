@@ -22,7 +22,7 @@ from tfdist.planner.inventory import Entry, Inventory
 from tfdist.planner.memory import Memory, state_bytes
 from tfdist.planner.probe import Calibration
 from tfdist.planner.search import Candidate, NoLayoutFits, Plan, meshes, rank
-from tfdist.planner.workload import Collective, Work, transformer_work
+from tfdist.planner.workload import Collective, Work, keras_work, transformer_work
 
 
 def transformer_inventory(config, mesh, optimizer="adam") -> Inventory:
@@ -86,6 +86,48 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
                 calibration, memory_per_device)
 
 
+def plan_keras(model, devices: Union[int, Sequence[str]], global_batch: int, length: int,
+               memory_per_device: Optional[int] = None, optimizer="adam",
+               calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20) -> Plan:
+    """Ranks layouts of any built Keras `model` under `tfdist.distribution.ModelParallel`.
+
+    The weights' logical axes are derived from their layers and shapes
+    (`tfdist.planner.derive`): Megatron's column / row splits of `Dense` and
+    `EinsumDense` kernels over `d_ff` and attention `heads`, embeddings over
+    `vocab`, and FSDP (`d_model:data`). Candidates are `data x model` meshes
+    with every combination of those rules; `keras_layout_map(model, candidate)`
+    turns one into the `LayoutMap` to train with.
+
+    Args and Raises: as `plan`, for a Keras model of `length`-token rows.
+    """
+    from tfdist.planner.derive import logical_axes
+
+    num = devices if isinstance(devices, int) else len(devices)
+    if global_batch % num:
+        raise ValueError(f"global_batch={global_batch} does not divide over {num} devices "
+                         f"(ModelParallel splits the rows over every device); use a multiple "
+                         f"of {num}.")
+    axes = logical_axes(model)
+    inventory = Inventory.of(model, optimizer, axes=axes)
+    calibration = calibration or Calibration.measure([num])
+    return rank(meshes(inventory.logical_axes, num, fsdp=True), lambda mesh: inventory,
+                lambda mesh, inv: keras_work(inv, mesh, global_batch, length, bucket_bytes),
+                calibration, memory_per_device)
+
+
+def keras_layout_map(model, candidate: Candidate, devices=None):
+    """`(DeviceMesh, LayoutMap)` of a `plan_keras` candidate: pass them to
+    `tfdist.distribution.ModelParallel(layout_map=..., batch_dim_name="data")`."""
+    import keras
+
+    from tfdist.planner.derive import layout_map
+
+    shape = candidate.mesh.shape
+    devices = devices or [f"cpu:{i}" for i in range(shape.size)]
+    device_mesh = keras.distribution.DeviceMesh(shape.sizes, shape.names, devices)
+    return device_mesh, layout_map(model, device_mesh, candidate.mesh.rules)
+
+
 __all__ = ["Calibration", "Candidate", "Collective", "Entry", "Inventory", "Memory",
-           "NoLayoutFits", "Plan", "Work", "meshes", "plan", "rank", "state_bytes",
-           "transformer_inventory", "transformer_work"]
+           "NoLayoutFits", "Plan", "Work", "keras_layout_map", "keras_work", "meshes", "plan",
+           "plan_keras", "rank", "state_bytes", "transformer_inventory", "transformer_work"]

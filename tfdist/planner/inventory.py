@@ -59,7 +59,7 @@ class Inventory:
         return sum(math.prod(e.shape) for e in self.weights)
 
     @classmethod
-    def of(cls, model, optimizer=None) -> "Inventory":
+    def of(cls, model, optimizer=None, axes=None) -> "Inventory":
         """The inventory of a built Keras `model` and (optionally) `optimizer`.
 
         Args:
@@ -67,6 +67,8 @@ class Inventory:
             optimizer: a fresh Keras optimizer (or its name, e.g. `"adam"`),
                 built here on stand-ins of `model`'s trainable weights to list
                 the variables it makes for them.
+            axes: `{variable path: logical axes}` for weights no tfdist layer
+                declares (`tfdist.planner.derive.logical_axes` for any Keras model).
 
         Returns:
             An `Inventory`.
@@ -81,8 +83,11 @@ class Inventory:
         for v in model.weights:
             layout = layouts.get(v.path)
             shape = tuple(int(n) for n in v.shape)
-            axes = tuple(layout.logical_axes) if layout is not None else (None,) * len(shape)
-            weights.append(Entry(v.path, shape, _itemsize(v.dtype), axes, bool(v.trainable),
+            if layout is not None:
+                logical = tuple(layout.logical_axes)
+            else:
+                logical = tuple((axes or {}).get(v.path, (None,) * len(shape)))
+            weights.append(Entry(v.path, shape, _itemsize(v.dtype), logical, bool(v.trainable),
                                  bool(layout is not None and layout.may_pad)))
         slots = ()
         if optimizer is not None:

@@ -70,20 +70,24 @@ class Plan:
         return "\n".join(lines)
 
 
-def meshes(logical_axes: Sequence[str], num_devices: int) -> List[Mesh]:
+def meshes(logical_axes: Sequence[str], num_devices: int, fsdp: bool = False) -> List[Mesh]:
     """Every `data x model` mesh over `num_devices` whose rules split some of a
-    model's `logical_axes` (those in `MODEL_AXES`) over `model`."""
+    model's `logical_axes` (those in `MODEL_AXES`) over `model`; with `fsdp`,
+    each also with `d_model:data` (weights split over the batch axis too) where
+    data > 1."""
     splittable = [a for a in MODEL_AXES if a in logical_axes]
     out = []
     for model in (a for a in range(1, num_devices + 1) if num_devices % a == 0):
-        shape = f"data:{num_devices // model};model:{model}"
-        if model == 1:
-            out.append(Mesh.parse(shape, "batch:data"))
-            continue
-        for k in range(1, len(splittable) + 1):
-            for chosen in itertools.combinations(splittable, k):
-                rules = ";".join(["batch:data"] + [f"{a}:model" for a in chosen])
-                out.append(Mesh.parse(shape, rules))
+        data = num_devices // model
+        shape = f"data:{data};model:{model}"
+        choices = [()] if model == 1 else [
+            chosen for k in range(1, len(splittable) + 1)
+            for chosen in itertools.combinations(splittable, k)]
+        for chosen in choices:
+            rules = ["batch:data"] + [f"{a}:model" for a in chosen]
+            out.append(Mesh.parse(shape, ";".join(rules)))
+            if fsdp and data > 1 and "d_model" in logical_axes:
+                out.append(Mesh.parse(shape, ";".join(rules + ["d_model:data"])))
     return out
 
 

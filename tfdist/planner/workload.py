@@ -91,6 +91,9 @@ def gradient_collectives(inventory: Inventory, mesh: Mesh,
         if not entry.trainable:
             continue
         layout = mesh.tensor_layout(entry.axes, entry.shape, pad=entry.may_pad)
+        data_axis = mesh.mesh_axis("batch")
+        if data_axis is not None and data_axis in layout.sharded_mesh_axes:
+            continue  # split over the batch axis (FSDP): reduce-scattered where it is read
         group = mesh.size // layout.num_shards
         if group > 1:
             by_group[group] = by_group.get(group, 0) + local_bytes(entry, mesh)
@@ -214,3 +217,66 @@ def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> 
             floats += per_moe if c.moe_experts and i % 2 == 1 else per_ffn
     floats += t * (2 * v + (a_vocab - 1) * d) + 2 * t * d
     return floats * 4
+
+
+def keras_work(inventory: Inventory, mesh: Mesh, batch: int, length: int,
+               bucket_bytes: int = 25 << 20) -> Work:
+    """A training step of any Keras model whose weights carry derived logical axes
+    (`tfdist.planner.derive`), under `tfdist.distribution.ModelParallel`.
+
+    Per device, with t = batch * length / N tokens and d = d_model:
+
+    - FLOPs: 6 t x (elements of every kernel and embedding), forward and backward;
+    - a layer group (the weights under one parent path: an attention, an MLP)
+      whose kernels split a dimension over a model axis of size A: Megatron's
+      all_gather of its input rows and reduce_scatter of its output rows
+      (`t * d` floats), forward and backward;
+    - an embedding table split by vocabulary: the ids gathered, the rows
+      reduce-scattered (backward: an all_gather); an untied output table split
+      by vocabulary: the logits all-to-all'd back to whole rows (`t * V`),
+      forward and backward;
+    - a weight split over the batch axis (FSDP, `d_model:data`): gathered for the
+      forward and again for the backward pass (`reshard_after_forward`), its
+      gradient reduce-scattered; the others' gradients all-reduced (`gradient_collectives`);
+    - the optimizer's update of every local trainable byte.
+    """
+    n = mesh.size
+    t = batch * length / n
+    word = 4
+    d = next((e.shape[e.axes.index("d_model")] for e in inventory.weights
+              if "d_model" in e.axes), 0)
+    flops = 0.0
+    colls = []
+    groups = {}
+    data_axis = mesh.mesh_axis("batch")
+    for e in inventory.weights:
+        layout = mesh.tensor_layout(e.axes, e.shape, pad=e.may_pad)
+        if len(e.shape) >= 2 and "d_model" in e.axes:
+            flops += 6 * t * math.prod(e.shape)
+        split = {l: a for l, a in zip(e.axes, layout.mesh_axes)
+                 if a is not None and a != data_axis and mesh.axis_size(a) > 1}
+        if "vocab" in split:
+            a = mesh.axis_size(split["vocab"])
+            if e.axes[0] == "vocab":  # a lookup table
+                colls += [Collective("all_gather", a, int(t * 4), 1),
+                          Collective("reduce_scatter", a, int(a * t * d * word), 1),
+                          Collective("all_gather", a, int(t * d * word), 1)]
+            else:  # an untied output projection: logits back to whole rows
+                colls.append(Collective("all_to_all", a, int(t * e.shape[1] * word), 2))
+        elif split:
+            parent = e.path.rsplit("/", 2)[0]
+            groups.setdefault(parent, mesh.axis_size(next(iter(split.values()))))
+        if data_axis is not None and data_axis in layout.mesh_axes and mesh.axis_size(data_axis) > 1:
+            dsize = mesh.axis_size(data_axis)
+            local = math.prod(layout.local_shape) * e.itemsize
+            colls += [Collective("all_gather", dsize, local, 2),
+                      Collective("reduce_scatter", dsize, local * dsize, 1)]
+    for a in groups.values():
+        colls += [Collective("all_gather", a, int(t * d * word), 2),
+                  Collective("reduce_scatter", a, int(a * t * d * word), 2)]
+    colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
+    update = sum(local_bytes(e, mesh) for e in inventory.weights if e.trainable)
+    # activations: each kernel's output per token and the norms' inputs (an estimate)
+    acts = sum(t * math.prod(e.shape) / max(1, e.shape[e.axes.index("d_model")]) * word
+               for e in inventory.weights if "d_model" in e.axes and len(e.shape) >= 2)
+    return Work(flops, tuple(colls), int(acts), update)
