@@ -46,10 +46,17 @@ def _config():
 
 
 def case(args):
-    """One candidate, in this process: JSON `{s_per_step, activations}` on stdout."""
-    from tfdist.devices import split_cpu
+    """One candidate: JSON `{s_per_step, activations}` on stdout (mesh engine), or
+    `{s_per_step}` in `--result` (processes: run in every task of a launched job)."""
+    devices = None
+    if args.engine == "processes":
+        from tfdist.cluster import ClusterConfig
 
-    split_cpu(args.devices)
+        devices = list(ClusterConfig.from_env().start(threads=1, inter_op_threads=2))
+    else:
+        from tfdist.devices import split_cpu
+
+        split_cpu(args.devices)
     import time
 
     import keras
@@ -66,7 +73,7 @@ def case(args):
     rows = BATCH * (2 + args.steps)
     source = rng.integers(3, config.vocab_size, (rows, LENGTH)).astype("int32")
     target = rng.integers(3, config.vocab_size, (rows, LENGTH)).astype("int32")
-    strategy = MeshStrategy(args.mesh_shape, args.layout)
+    strategy = MeshStrategy(args.mesh_shape, args.layout, devices=devices)
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = Transformer(config, name="transformer")
@@ -80,6 +87,10 @@ def case(args):
     model.fit((source[timed], target[timed]), target[timed], batch_size=BATCH, verbose=0,
               shuffle=False)
     seconds = (time.perf_counter() - start) / args.steps
+    if devices is not None:
+        with open(args.result, "w") as f:
+            json.dump({"s_per_step": seconds}, f)
+        return
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     print(json.dumps({"s_per_step": seconds, "activations": (peak - before) / args.devices}))
 
@@ -90,11 +101,25 @@ def _measure(candidate, args):
 
 
 def _measure_once(candidate, args):
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--case", "--mesh_shape",
-         str(candidate.mesh.shape), "--layout", str(candidate.mesh.rules), "--steps",
-         str(args.steps), "--devices", str(args.devices)],
-        capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    command = [sys.executable, os.path.abspath(__file__), "--case", "--mesh_shape",
+               str(candidate.mesh.shape), "--layout", str(candidate.mesh.rules), "--steps",
+               str(args.steps), "--devices", str(args.devices), "--engine", args.engine]
+    if args.engine == "processes":
+        import io
+        import tempfile
+
+        from tfdist.launch.local import run_local
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result, log = os.path.join(tmp, "case.json"), io.StringIO()
+            status = run_local(command + ["--result", result], args.devices, pin_cores=True,
+                               linger_s=2.0, out=log)
+            if status or not os.path.exists(result):
+                raise RuntimeError(f"{candidate.mesh} failed:\n{log.getvalue()[-3000:]}")
+            with open(result) as f:
+                return json.load(f)
+    out = subprocess.run(command, capture_output=True, text=True,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     if out.returncode:
         raise RuntimeError(f"{candidate.mesh} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -124,6 +149,10 @@ def main():
     parser.add_argument("--candidates", type=int, default=10)
     parser.add_argument("--inter_op", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engine", default="mesh", choices=["mesh", "processes"],
+                        help="mesh: virtual devices of one process; processes: one device per "
+                             "process, pinned one per core")
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--refresh", action="store_true", help="re-measure the calibration")
     args = parser.parse_args()
     if args.case:
@@ -132,14 +161,14 @@ def main():
     import tfdist
     from tfdist.planner import Calibration
 
-    calibration = Calibration.measure([args.devices], refresh=args.refresh)
+    calibration = Calibration.measure([args.devices], refresh=args.refresh, engine=args.engine)
     plan = tfdist.plan(_config(), args.devices, global_batch=BATCH, length=LENGTH,
-                       calibration=calibration)
+                       calibration=calibration, engine=args.engine)
     ranked = plan.ranked
     k = min(args.candidates, len(ranked))
     picks = sorted({round(i * (len(ranked) - 1) / max(1, k - 1)) for i in range(k)})
-    print(f"{len(ranked)} valid layouts on {args.devices} devices; measuring {len(picks)}, "
-          f"one process each, {args.steps} timed steps", flush=True)
+    print(f"{len(ranked)} valid layouts on {args.devices} devices ({args.engine}); measuring "
+          f"{len(picks)}, a fresh job each, {args.steps} timed steps", flush=True)
     rows = []
     for i in picks:
         c = ranked[i]
@@ -147,19 +176,20 @@ def main():
         rows.append((i + 1, c, got))
         print(f"  #{i + 1:<2} {str(c.mesh.shape):<15} {str(c.mesh.rules):<48} predicted "
               f"{1e3 * c.step_seconds:7.1f} ms  measured {1e3 * got['s_per_step']:7.1f} ms  "
-              f"step bytes predicted {_transient(c) / 2**20:6.1f} MiB measured "
-              f"{got['activations'] / 2**20:6.1f} MiB", flush=True)
+              + (f"step bytes predicted {_transient(c) / 2**20:6.1f} MiB measured "
+                 f"{got['activations'] / 2**20:6.1f} MiB" if "activations" in got else ""),
+              flush=True)
     predicted = [c.step_seconds for _, c, _ in rows]
     measured = [got["s_per_step"] for _, _, got in rows]
     rho = spearman(predicted, measured)
     pick = measured[0] / min(measured)
-    act = [_transient(c) / got["activations"] for _, c, got in rows]
+    act = [_transient(c) / got["activations"] for _, c, got in rows if "activations" in got]
     print(f"Spearman rank correlation predicted vs measured: {rho:.3f} (target >= 0.8)")
     print(f"planner's pick measured {1e3 * measured[0]:.1f} ms = {pick:.3f}x the fastest "
           f"measured {1e3 * min(measured):.1f} ms (target <= 1.10)")
-    print(f"step bytes (activations + gradients) predicted / measured: min {min(act):.2f}, "
-          f"max {max(act):.2f} "
-          f"(target 0.85-1.15)")
+    if act:
+        print(f"step bytes (activations + gradients) predicted / measured: min {min(act):.2f}, "
+              f"max {max(act):.2f} (target 0.85-1.15)")
     return 0
 
 

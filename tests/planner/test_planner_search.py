@@ -116,3 +116,16 @@ def test_calibration_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr("tfdist.planner.probe._probe_process", no_probe)
     assert Calibration.measure([4]) == cal
     assert cal.collective_seconds("all_gather", 8, 0) == 1e-4  # the nearest group measured
+
+
+def test_unequal_devices_favour_data_parallelism_split_by_speed():
+    # Equal devices: the split MLP is fastest (cheap collectives, a quarter of the update).
+    cal = calibration(1e-7, 1e-12)
+    even = rank(meshes(("d_ff",), 4), lambda m: MLP, mlp_work(), cal)
+    assert str(even.best.mesh.shape) == "data:1;model:4" and even.best.batch_shares is None
+    # One device at a tenth of the speed: a split layout waits for it every step; data
+    # parallelism gives it a tenth of the rows.
+    slow = rank(meshes(("d_ff",), 4), lambda m: MLP, mlp_work(), cal,
+                speeds=[1.0, 1.0, 1.0, 0.1])
+    assert str(slow.best.mesh.shape) == "data:4;model:1"
+    assert slow.best.batch_shares == pytest.approx((1 / 3.1, 1 / 3.1, 1 / 3.1, 0.1 / 3.1))

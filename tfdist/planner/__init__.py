@@ -47,7 +47,8 @@ def transformer_inventory(config, mesh, optimizer="adam") -> Inventory:
 
 def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, length: int,
          memory_per_device: Optional[int] = None, optimizer="adam",
-         calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20) -> Plan:
+         calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
+         engine: str = "mesh", speeds: Optional[Sequence[float]] = None) -> Plan:
     """Ranks the layouts of a tfdist `Transformer` over `devices` by predicted step time.
 
     Args:
@@ -60,6 +61,12 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
         calibration: the machine's constants (default: `Calibration.measure`,
             cached per machine).
         bucket_bytes: the strategy's gradient bucket size.
+        engine: what the devices are: "mesh" (devices of one process) or
+            "processes" (one per process, pinned one per core); the calibration's.
+        speeds: the devices' relative speeds, if unequal (e.g. measured with
+            `tfdist.callbacks.SpeedProportionalBatches`'s probe): pure data
+            parallelism can split rows by speed (`Candidate.batch_shares`),
+            other layouts wait for the slowest.
 
     Returns:
         A `Plan`: `plan.best.mesh` is the fastest layout that fits;
@@ -77,18 +84,19 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
     if global_batch % num:
         raise ValueError(f"global_batch={global_batch} does not divide over {num} devices "
                          f"(tfdist splits the rows over every device); use a multiple of {num}.")
-    calibration = calibration or Calibration.measure([num])
+    calibration = calibration or Calibration.measure([num], engine=engine)
     splittable = transformer_inventory(model_config, Mesh.single_device(), None).logical_axes
     return rank(meshes(splittable, num),
                 lambda mesh: transformer_inventory(model_config, mesh, optimizer),
                 lambda mesh, inventory: transformer_work(model_config, mesh, global_batch,
                                                          length, inventory, bucket_bytes),
-                calibration, memory_per_device)
+                calibration, memory_per_device, speeds)
 
 
 def plan_keras(model, devices: Union[int, Sequence[str]], global_batch: int, length: int,
                memory_per_device: Optional[int] = None, optimizer="adam",
-               calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20) -> Plan:
+               calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
+               engine: str = "mesh") -> Plan:
     """Ranks layouts of any built Keras `model` under `tfdist.distribution.ModelParallel`.
 
     The weights' logical axes are derived from their layers and shapes
@@ -109,7 +117,7 @@ def plan_keras(model, devices: Union[int, Sequence[str]], global_batch: int, len
                          f"of {num}.")
     axes = logical_axes(model)
     inventory = Inventory.of(model, optimizer, axes=axes)
-    calibration = calibration or Calibration.measure([num])
+    calibration = calibration or Calibration.measure([num], engine=engine)
     return rank(meshes(inventory.logical_axes, num, fsdp=True), lambda mesh: inventory,
                 lambda mesh, inv: keras_work(inv, mesh, global_batch, length, bucket_bytes),
                 calibration, memory_per_device)

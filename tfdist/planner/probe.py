@@ -13,7 +13,12 @@ at start-up), measures on a `MeshStrategy` over `n` devices of this process
   its gradient and two slots, all float32) when all `n` devices update at once;
 - the fixed cost of one step (a `strategy.run` of nothing but a scalar sum).
 
-Results are cached per machine (host name and CPU count) in
+Two engines: `mesh`, the devices of one process (`split_cpu`, sharing the
+cores); `processes`, one device per process, processes pinned one per core
+(`tfdist.launch.local.run_local(pin_cores=True)`, one intra-op thread each), a
+mesh over their TF_CONFIG workers (collectives over loopback gRPC).
+
+Results are cached per machine (host name and CPU count) and engine in
 `~/.cache/tfdist/planner/` (`TFDIST_PLANNER_CACHE` overrides the directory);
 `Calibration.measure` re-uses them unless asked to re-measure.
 
@@ -30,6 +35,7 @@ import time
 from typing import Dict, Sequence, Tuple
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+ENGINES = ("mesh", "processes")
 SMALL_BYTES = 4 << 10
 LARGE_BYTES = 4 << 20
 
@@ -104,10 +110,13 @@ class Calibration:
                    data.get("machine", ""))
 
     @classmethod
-    def measure(cls, device_counts: Sequence[int], refresh: bool = False) -> "Calibration":
-        """The calibration for `device_counts`, from the cache or measured now
-        (one probe process per missing count, a few seconds each)."""
-        path = cache_path()
+    def measure(cls, device_counts: Sequence[int], refresh: bool = False,
+                engine: str = "mesh") -> "Calibration":
+        """The calibration for `device_counts` on `engine` (`ENGINES`), from the
+        cache or measured now (one probe job per missing count, seconds each)."""
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r}; valid engines: {ENGINES}.")
+        path = cache_path(engine)
         cached = None
         if os.path.exists(path) and not refresh:
             with open(path) as f:
@@ -115,7 +124,7 @@ class Calibration:
         have = set(cached.update_seconds) if cached else set()
         result = cached or cls({}, {}, {}, {}, machine_name())
         for n in sorted(set(device_counts) - have):
-            result = result.merged(_probe_process(n))
+            result = result.merged(_probe_process(n, engine))
         if result is not cached:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
@@ -129,19 +138,37 @@ def machine_name() -> str:
     return f"{socket.gethostname()}-{os.cpu_count()}cpu"
 
 
-def cache_path() -> str:
+def cache_path(engine: str = "mesh") -> str:
     root = os.environ.get("TFDIST_PLANNER_CACHE",
                           os.path.join(os.path.expanduser("~"), ".cache", "tfdist", "planner"))
-    return os.path.join(root, f"{machine_name()}.json")
+    suffix = "" if engine == "mesh" else f"-{engine}"
+    return os.path.join(root, f"{machine_name()}{suffix}.json")
 
 
-def _probe_process(n: int) -> Calibration:
+def _probe_process(n: int, engine: str = "mesh") -> Calibration:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-m", "tfdist.planner.probe", "--devices", str(n)],
-                         capture_output=True, text=True, env=env)
-    if out.returncode:
-        raise RuntimeError(f"the planner's probe on {n} devices failed:\n{out.stderr[-3000:]}")
-    return Calibration.from_json(json.loads(out.stdout.strip().splitlines()[-1]))
+    command = [sys.executable, "-m", "tfdist.planner.probe", "--devices", str(n)]
+    if engine == "mesh":
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise RuntimeError(f"the planner's probe on {n} devices failed:\n"
+                               f"{out.stderr[-3000:]}")
+        return Calibration.from_json(json.loads(out.stdout.strip().splitlines()[-1]))
+    import io
+    import tempfile
+
+    from tfdist.launch.local import run_local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "probe.json")
+        log = io.StringIO()
+        status = run_local(command + ["--processes", "--result", result], n, pin_cores=True,
+                           linger_s=2.0, out=log)
+        if status or not os.path.exists(result):
+            raise RuntimeError(f"the planner's probe over {n} processes failed (status "
+                               f"{status}):\n{log.getvalue()[-3000:]}")
+        with open(result) as f:
+            return Calibration.from_json(json.load(f))
 
 
 def _timed(fn, repeats: int = 7) -> float:
@@ -155,17 +182,20 @@ def _timed(fn, repeats: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def probe(n: int, rows: int = 1024, width: int = 512, matmuls: int = 8) -> Calibration:
-    """Measures the constants on `n` devices of this process (see the module docstring)."""
-    from tfdist.devices import split_cpu
+def probe(n: int, rows: int = 1024, width: int = 512, matmuls: int = 8,
+          devices=None) -> Calibration:
+    """Measures the constants on `n` devices (see the module docstring): this
+    process's CPU split in `n`, or the given `devices` (a cluster's)."""
+    if devices is None:
+        from tfdist.devices import split_cpu
 
-    split_cpu(n)
+        split_cpu(n)
     import tensorflow as tf
 
     from tfdist import collectives
     from tfdist.strategies.mesh_strategy import MeshStrategy
 
-    strategy = MeshStrategy(f"data:{n}", "batch:data")
+    strategy = MeshStrategy(f"data:{n}", "batch:data", devices=devices)
     axis = "data"
 
     def run(fn, *args):
@@ -237,8 +267,20 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--processes", action="store_true",
+                        help="run as a task of a tfdist.launch job, one device per task")
+    parser.add_argument("--result", help="--processes: where the controller writes the JSON")
     args = parser.parse_args(argv)
-    print(json.dumps(probe(args.devices).to_json()), flush=True)
+    if not args.processes:
+        print(json.dumps(probe(args.devices).to_json()), flush=True)
+        return 0
+    from tfdist.cluster import ClusterConfig
+
+    devices = ClusterConfig.from_env().start(threads=1, inter_op_threads=2)  # serves elsewhere
+    data = probe(args.devices, devices=list(devices)).to_json()
+    with open(args.result + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(args.result + ".tmp", args.result)
     return 0
 
 

@@ -7,8 +7,13 @@ Candidates whose weights do not divide (and may not pad) are dropped with
 the reason; the rest get their bytes per device (`memory.py`), their step's
 work (`workload.py`) and its predicted time under a `Calibration`:
 
-    step = overhead(N) + flops / rate(N) + update(N) * local trainable bytes
+    step = overhead(N) + f * (flops / rate(N) + update(N) * local trainable bytes)
            + sum over collectives of count * (alpha(kind, group) + beta(kind, group) * bytes)
+
+On unequal devices (relative `speeds`) `f` is N / sum(speeds) for a pure
+data-parallel layout, whose rows can follow the speeds
+(`HorovodStrategy(batch_shares=...)`), and 1 / min(speeds) for the others,
+whose replicas must hold equal rows (the slowest sets the pace).
 
 Those that fit `memory_per_device` are ranked by predicted step time.
 """
@@ -38,6 +43,9 @@ class Candidate:
     memory: Memory
     work: Work
     step_seconds: float
+    batch_shares: Optional[Tuple[float, ...]] = None
+    """Rows per device proportional to their speeds (`HorovodStrategy(batch_shares=...)`),
+    for a pure data-parallel layout on unequal devices; else None (equal rows)."""
 
     @property
     def flags(self) -> str:
@@ -91,18 +99,39 @@ def meshes(logical_axes: Sequence[str], num_devices: int, fsdp: bool = False) ->
     return out
 
 
-def step_seconds(work: Work, devices: int, calibration: Calibration) -> float:
-    """The cost model (see the module docstring)."""
-    seconds = calibration.overhead_seconds(devices) + \
-        calibration.compute_seconds(work.flops, devices) + \
-        calibration.update_seconds_for(work.update_bytes, devices)
+def is_data_parallel(mesh: Mesh) -> bool:
+    """Whether no rule splits anything over a mesh axis of more than one device but the batch."""
+    return not any(mesh.axis_size(axis) > 1 and logical != "batch"
+                   for logical, axis in mesh.rules.rules)
+
+
+def speed_factor(mesh: Mesh, speeds: Optional[Sequence[float]]) -> float:
+    """How much longer the compute takes on devices of relative `speeds` than on equal
+    fastest ones: rows in proportion to speed where only the batch is split (every
+    device busy for N / sum(speeds)), else equal rows (the slowest sets the pace)."""
+    if not speeds:
+        return 1.0
+    relative = [s / max(speeds) for s in speeds]
+    if is_data_parallel(mesh):
+        return len(relative) / sum(relative)
+    return 1.0 / min(relative)
+
+
+def step_seconds(work: Work, devices: int, calibration: Calibration,
+                 compute_factor: float = 1.0) -> float:
+    """The cost model (see the module docstring); `compute_factor` scales the compute
+    and update terms (unequal devices: `speed_factor`)."""
+    seconds = calibration.overhead_seconds(devices) + compute_factor * (
+        calibration.compute_seconds(work.flops, devices) +
+        calibration.update_seconds_for(work.update_bytes, devices))
     for c in work.collectives:
         seconds += c.count * calibration.collective_seconds(c.kind, c.group, c.bytes)
     return seconds
 
 
 def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibration,
-         memory_per_device: Optional[int] = None) -> Plan:
+         memory_per_device: Optional[int] = None,
+         speeds: Optional[Sequence[float]] = None) -> Plan:
     """Predicts every candidate mesh and ranks those that fit.
 
     Args:
@@ -111,6 +140,7 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
         work_of: `(mesh, inventory) -> Work`, the model's step on a mesh.
         calibration: the machine's `Calibration`.
         memory_per_device: bytes a device may hold (None: no limit).
+        speeds: the devices' relative speeds (unequal devices; None: equal).
 
     Raises:
         NoLayoutFits: no candidate fits; the message names the least memory
@@ -126,7 +156,12 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
             invalid.append((str(mesh), str(e)))
             continue
         memory = Memory(weights, optimizer, gradients, work.activations)
-        candidate = Candidate(mesh, memory, work, step_seconds(work, mesh.size, calibration))
+        shares = None
+        if speeds and is_data_parallel(mesh):
+            shares = tuple(s / sum(speeds) for s in speeds)
+        candidate = Candidate(mesh, memory, work,
+                              step_seconds(work, mesh.size, calibration,
+                                           speed_factor(mesh, speeds)), shares)
         if memory_per_device is None or memory.total <= memory_per_device:
             fits.append(candidate)
         else:
