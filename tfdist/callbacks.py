@@ -126,3 +126,89 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self.delete_checkpoint:
             self.backups.delete_all(self.model.distribute_strategy)
+
+
+class SpeedProportionalBatches(keras.callbacks.Callback):
+    """Gives each Horovod rank a share of every global batch proportional to its speed.
+
+    For `HorovodStrategy(batch_shares=...)` on unequal devices (HAP's ratios,
+    dynamic batch sizing): at the start of training and every `every` batches,
+    each rank times a fixed matrix-multiply probe on its own device (`probe`),
+    the ranks exchange their rates, and the shares move to
+    `smoothing * old + (1 - smoothing) * rate / sum(rates)` (at least
+    `min_share` each), taking effect on every rank at the same step. Results
+    stay those of one process on the same global batches; only who computes
+    which rows changes.
+
+    Args:
+        every: batches between measurements.
+        smoothing: weight of the previous shares (0: the last measurement only).
+        min_share: the least share of a rank (it keeps some rows).
+        probe: `() -> seconds` of this rank's probe (default: 24 float32
+            `[256, 256]` matmuls in a `tf.function`, about 1 ms on a fast core).
+    """
+
+    def __init__(self, every: int = 20, smoothing: float = 0.5, min_share: float = 0.05,
+                 probe=None):
+        super().__init__()
+        if every < 1 or not 0 <= smoothing < 1 or not 0 < min_share < 1:
+            raise ValueError(f"every >= 1, 0 <= smoothing < 1, 0 < min_share < 1; received "
+                             f"every={every}, smoothing={smoothing}, min_share={min_share}.")
+        self.every, self.smoothing, self.min_share = every, smoothing, min_share
+        self._probe = probe
+        self.history = []  # the shares set, in order
+
+    def _strategy(self):
+        strategy = self.model.distribute_strategy
+        if not getattr(strategy.extended, "batch_shares", False):
+            raise ValueError("SpeedProportionalBatches needs HorovodStrategy(batch_shares=...).")
+        return strategy
+
+    def _seconds(self) -> float:
+        import time
+
+        import tensorflow as tf
+
+        if self._probe is not None:
+            return self._probe()
+        if not hasattr(self, "_matmuls"):
+            x = tf.random.stateless_normal([256, 256], seed=[1, 2]) * 0.06
+
+            @tf.function
+            def matmuls(x):
+                y = x
+                for _ in range(24):
+                    y = tf.matmul(y, x)
+                return tf.reduce_sum(y)
+
+            self._x, self._matmuls = x, matmuls
+            self._matmuls(self._x).numpy()  # trace
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            self._matmuls(self._x).numpy()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def _measure(self):
+        import tensorflow as tf
+
+        strategy = self._strategy()
+        rate = 1.0 / max(self._seconds(), 1e-9)
+        rates = strategy.hvd.allgather(tf.constant([rate], tf.float64),
+                                       name=f"tfdist_speed_{len(self.history)}").numpy()
+        target = rates / rates.sum()
+        old = strategy.batch_shares
+        shares = [self.smoothing * o + (1 - self.smoothing) * t for o, t in zip(old, target)]
+        shares = [max(self.min_share, s) for s in shares]
+        strategy.set_batch_shares(shares)
+        self.history.append(strategy.batch_shares)
+
+    def on_train_begin(self, logs=None):
+        self._batches = 0
+        self._measure()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._batches % self.every == 0:
+            self._measure()

@@ -66,6 +66,22 @@ def test_matches_one_process_and_ranks_agree(steps_per_execution, pinned, clipno
     print(result.stdout.strip().splitlines()[-1])
 
 
+# Unequal devices: fixed shares 1:3, and shares re-measured every 3 batches (a probe that
+# finds rank 1 three times faster): moved mid-training on both ranks at the same step.
+@pytest.mark.parametrize("shares,rows", [("1,3", "[4, 12]"), ("speed", "[4, 12]")])
+def test_uneven_batch_shares_train_like_one_process(shares, rows):
+    result = horovodrun("--batch_shares", shares)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    found = ranks(result.stdout)
+    assert sorted(found) == [0, 1], result.stdout[-2000:]
+    for chief, diff, checksum, initial, loss, reference, n, pred_diff in found.values():
+        assert float(diff) < 1e-5  # weights after 30 Adam steps
+        assert abs(float(loss) - float(reference)) < 1e-5
+        assert n == "480" and float(pred_diff) < 1e-5
+    assert found[0][2] == found[1][2]
+    assert f"last train rows {rows}" in result.stdout, result.stdout[-2000:]
+
+
 def test_fp16_compression_reports_its_drift():
     result = horovodrun("--compression", "fp16")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

@@ -20,6 +20,9 @@ parser.add_argument("--die_rank", type=int, default=-1, help="This rank dies at 
 parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--pid_dir", default="", help="Each rank writes rank-<r>.pid at epoch 1.")
 parser.add_argument("--global_clipnorm", type=float, default=None)
+parser.add_argument("--batch_shares", default="",
+                    help="'1,3': fixed shares; 'speed': SpeedProportionalBatches every 3 batches "
+                         "with a probe that finds rank 1 three times faster")
 args = parser.parse_args()
 
 import keras  # noqa: E402
@@ -28,7 +31,11 @@ import numpy as np  # noqa: E402
 from tfdist.callbacks import is_chief  # noqa: E402
 from tfdist.strategies.horovod import HorovodStrategy  # noqa: E402
 
-strategy = HorovodStrategy(compression=args.compression)
+shares = None
+if args.batch_shares:
+    shares = "equal" if args.batch_shares == "speed" else \
+        [float(v) for v in args.batch_shares.split(",")]
+strategy = HorovodStrategy(compression=args.compression, batch_shares=shares)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(30 * 16, 8)).astype("float32")
 y = rng.integers(0, 4, size=(30 * 16,)).astype("int32")
@@ -62,7 +69,15 @@ class Die(keras.callbacks.Callback):
             os._exit(17)
 
 
-model.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[Die()])
+callbacks = [Die()]
+if args.batch_shares == "speed":
+    from tfdist.callbacks import SpeedProportionalBatches
+
+    speed = SpeedProportionalBatches(every=3, smoothing=0.5,
+                                     probe=lambda: 0.003 if strategy.rank == 0 else 0.001)
+    callbacks.append(speed)
+model.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+last_rows = [int(r) for r in strategy.extended._rows.numpy()]  # every rank's, last train step
 result = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
 predictions = model.predict(x, batch_size=16, verbose=0)
 
@@ -83,4 +98,6 @@ print(f"rank {strategy.rank} chief={is_chief(strategy)}: weights rel diff {diff:
       f"checksum {checksum:.6f}, initial checksum {sum(float(np.abs(w).sum()) for w in initial):.6f}, "
       f"loss {result['loss']:.6f} vs {expected['loss']:.6f}, "
       f"predict rows {len(predictions)} diff {pred_diff:.2e}, "
-      f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}", flush=True)
+      f"accuracy {result['accuracy']:.4f} vs {expected['accuracy']:.4f}, "
+      f"shares {getattr(strategy, 'batch_shares', None)}, last train rows {last_rows}",
+      flush=True)

@@ -24,6 +24,12 @@ only; for its step function (recognised by `tfdist.internal.keras_steps`)
 the outputs are all-gathered in rank order, so every rank's `predict` returns
 all rows in order.
 
+With `HorovodStrategy(batch_shares=...)` (pure data parallelism only) every
+rank reads the whole global batch and its step cuts its own contiguous share,
+by bounds held in a variable (`set_batch_bounds`): read in the step, so a
+change of shares takes effect on every rank at the same step; uneven shares
+train exactly as equal ones (the rows are counted below, nothing is padded).
+
 A partial batch reaches the ranks unevenly (a rank may get no row): Keras's
 train and test steps exchange the ranks' row counts (one Horovod all-gather)
 and count the real rows of every rank (`tfdist.internal.even_steps.counted_keras_step`);
@@ -45,7 +51,7 @@ from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
 from tfdist.internal.even_steps import counted_keras_step
-from tfdist.internal.keras_steps import is_keras_predict_step
+from tfdist.internal.keras_steps import is_keras_predict_step, keras_step_kind
 from tfdist.core.shards import assemble_global
 from tfdist.internal.shard_routing import ShardedVariable, ShardRouting
 
@@ -70,9 +76,13 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         self.backend = backend
         self._count = 0
         self._init_routing(keras_layouts)
-        with tf.init_scope(), tf.device(device):  # a plain variable, not the strategy's
+        with tf.init_scope(), tf.device(device):  # plain variables, not the strategy's
             self._rows = tf.Variable(tf.zeros([hvd.size()], tf.int32), trainable=False,
                                      name="tfdist_rank_rows")
+            # Rank r's rows of a global batch of n: [round(n*b[r]), round(n*b[r+1])).
+            self._bounds = tf.Variable(tf.range(hvd.size() + 1, dtype=tf.float32) / hvd.size(),
+                                       trainable=False, name="tfdist_batch_bounds")
+        self.batch_shares = False  # set by HorovodStrategy(batch_shares=...)
 
     @property
     def _num_replicas_in_sync(self):
@@ -154,12 +164,38 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         with tf.control_dependencies([self._rows.assign(gathered)]):
             return self._rows.read_value()
 
+    def set_batch_bounds(self, bounds) -> None:
+        """Rank r takes rows `[round(n * bounds[r]), round(n * bounds[r + 1]))` of every
+        global batch of n from the next step on (every rank sets the same bounds)."""
+        self._bounds.assign(tf.constant(bounds, tf.float32))
+
+    def _my_rows(self, data):
+        """This rank's rows of the whole global batch `data`, by the current bounds: read in
+        the step, so every rank cuts the same step's batch with the same bounds."""
+        first = next((t for t in tf.nest.flatten(data)
+                      if isinstance(t, tf.Tensor) and t.shape.rank), None)
+        if first is None:
+            return data
+        n = tf.cast(tf.shape(first)[0], tf.float32)
+        rank = self.hvd.rank()
+        start = tf.cast(tf.round(n * self._bounds[rank]), tf.int32)
+        end = tf.cast(tf.round(n * self._bounds[rank + 1]), tf.int32)
+        return tf.nest.map_structure(
+            lambda t: t[start:end] if isinstance(t, tf.Tensor) and t.shape.rank else t, data)
+
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.hvd.size() == 1:
             return super()._call_for_each_replica(fn, args, kwargs)
         predict = is_keras_predict_step(fn)
+        share = self.batch_shares and keras_step_kind(fn) is not None and len(args) == 1 \
+            and not kwargs
         fn, args = counted_keras_step(fn, args, kwargs, self._gather_counts,
                                       pad=self._container_strategy().collective_weight_reads)
+        if share:  # this rank's share of the whole batch, then counted as its rows
+            counted = fn
+
+            def fn(data):  # noqa: F811
+                return counted(self._my_rows(data))
         out = super()._call_for_each_replica(fn, args, kwargs)
         if predict:
             out = tf.nest.map_structure(
@@ -185,6 +221,8 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         """
         del options  # nothing to fetch to: the one device is this process's
         rank, size = self.hvd.rank(), self.hvd.size()
+        if self.batch_shares:  # every rank reads whole batches and cuts its share in the step
+            return dataset.prefetch(tf.data.AUTOTUNE)
 
         def my_rows(*batch):
             def part(t):

@@ -66,6 +66,15 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
             `tfdist.distribution.ModelParallel`'s; with `layout_map`, or alone
             (then the ranks are one axis `data` and every Keras weight is
             stored split over it).
+        batch_shares: unequal devices (pure data parallelism only): each rank's
+            share of every global batch, e.g. `[1, 3]` (rank 1 takes three
+            quarters), or "equal" to start even and let
+            `tfdist.callbacks.SpeedProportionalBatches` re-measure the ranks'
+            speeds and move rows to the faster during training. Every rank reads
+            the whole global batch and its step cuts its contiguous share; the
+            losses count every rank's rows, so training equals one process on
+            the same global batches whatever the shares (HAP / dynamic batch
+            sizing; a slow rank does less work instead of everyone waiting).
 
     Example (4 ranks, Megatron MLP split over pairs of ranks):
 
@@ -87,7 +96,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                  reduction: str = "sum", mesh_shape=None, layout=None, layout_map=None,
                  batch_dim_name: Optional[str] = None, reshard_after_forward: bool = True,
                  zero_stage: int = 0,
-                 prefetch: bool = False):
+                 prefetch: bool = False, batch_shares=None):
         hooks.verify()  # the installed TF / Keras / keras-hub are the ones tfdist hooks into
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(_COMPRESSIONS)}; "
@@ -144,6 +153,31 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         self.hvd = hvd
         self.mesh = mesh
         self._backend = backend
+        if batch_shares is not None:
+            if self.collective_weight_reads or keras_layouts is not None:
+                raise ValueError(
+                    f"batch_shares needs pure data parallelism (layers that exchange "
+                    f"activations need every rank to hold the same rows); this strategy has "
+                    f"mesh {mesh} and {'a layout_map' if keras_layouts else 'no layout_map'}.")
+            self.extended.batch_shares = True
+            self.set_batch_shares([1.0] * hvd.size() if batch_shares == "equal"
+                                  else batch_shares)
+
+    def set_batch_shares(self, shares) -> None:
+        """Each rank's share of every global batch from the next step on (proportions,
+        one per rank, all > 0; every rank must set the same). Needs `batch_shares`."""
+        if not self.extended.batch_shares:
+            raise ValueError("set_batch_shares needs HorovodStrategy(batch_shares=...).")
+        shares = [float(s) for s in shares]
+        if len(shares) != self.hvd.size() or not all(s > 0 for s in shares):
+            raise ValueError(f"batch_shares must be {self.hvd.size()} positive proportions, "
+                             f"one per rank; received {shares}.")
+        total, bounds = sum(shares), [0.0]
+        for s in shares:
+            bounds.append(bounds[-1] + s / total)
+        bounds[-1] = 1.0
+        self.extended.set_batch_bounds(bounds)
+        self.batch_shares = tuple(s / total for s in shares)
 
     def check_collective(self, what: str) -> None:  # MeshRuntime
         keras_loop_reads.check_no_loop(what)  # not inside a loop of a Keras call
