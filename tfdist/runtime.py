@@ -86,11 +86,11 @@ def current_mesh() -> Mesh:
     runtime = current_runtime()
     if runtime is not None:
         return runtime.mesh
-    planned = getattr(_planned, "meshes", None)
+    planned = getattr(_local, "meshes", None)
     return planned[-1] if planned else Mesh.single_device()
 
 
-_planned = threading.local()
+_local = threading.local()  # `weights_on`'s meshes, per thread
 
 
 @contextlib.contextmanager
@@ -101,9 +101,9 @@ def weights_on(mesh: Mesh):
     build inside a `keras.StatelessScope` too, so that nothing is allocated;
     no collective runs (there is no runtime).
     """
-    stack = getattr(_planned, "meshes", None)
+    stack = getattr(_local, "meshes", None)
     if stack is None:
-        stack = _planned.meshes = []
+        stack = _local.meshes = []
     stack.append(mesh)
     try:
         yield mesh

@@ -164,6 +164,10 @@ class HorovodExtended(ShardRouting, mirrored_strategy.MirroredExtended):
         with tf.control_dependencies([self._rows.assign(gathered)]):
             return self._rows.read_value()
 
+    def enable_batch_shares(self) -> None:
+        """Every rank reads whole global batches; its steps cut its share (`set_batch_bounds`)."""
+        self.batch_shares = True
+
     def set_batch_bounds(self, bounds) -> None:
         """Rank r takes rows `[round(n * bounds[r]), round(n * bounds[r + 1]))` of every
         global batch of n from the next step on (every rank sets the same bounds)."""

@@ -5,6 +5,7 @@
     workload.py   a step's FLOPs, collectives and activations per device
     probe.py      the machine's matmul rate and collective alpha / beta, cached
     search.py     the candidate meshes and rules, the cost model, the ranking
+    derive.py     logical axes for any Keras model's weights, lowered to a LayoutMap
 
 Example:
 

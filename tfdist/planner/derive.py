@@ -41,8 +41,10 @@ def _is_kernel_layer(layer) -> bool:
 
 def _leaf_variables(model):
     """`(layer, variable)` for every weight, with the innermost layer that owns it."""
+    from tfdist.internal.keras_layers import all_layers
+
     seen = set()
-    layers = sorted(model._flatten_layers(include_self=False),
+    layers = sorted(all_layers(model, include_self=False),
                     key=lambda l: -len(getattr(l, "path", "") or ""))
     for layer in layers:  # innermost (longest path) first
         for v in layer.weights:

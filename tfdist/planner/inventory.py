@@ -75,8 +75,10 @@ class Inventory:
         """
         import keras
 
+        from tfdist.internal.keras_layers import all_layers
+
         layouts = {}
-        for layer in model._flatten_layers(include_self=True):
+        for layer in all_layers(model):
             for name, layout in getattr(layer, "weight_layouts", {}).items():
                 layouts[f"{layer.path}/{name}"] = layout
         weights = []

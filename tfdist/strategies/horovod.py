@@ -159,7 +159,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                     f"batch_shares needs pure data parallelism (layers that exchange "
                     f"activations need every rank to hold the same rows); this strategy has "
                     f"mesh {mesh} and {'a layout_map' if keras_layouts else 'no layout_map'}.")
-            self.extended.batch_shares = True
+            self.extended.enable_batch_shares()
             self.set_batch_shares([1.0] * hvd.size() if batch_shares == "equal"
                                   else batch_shares)
 
