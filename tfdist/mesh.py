@@ -410,6 +410,13 @@ class Mesh:
     def mesh_axis(self, logical_axis: Optional[str]) -> Optional[str]:
         return None if logical_axis is None else self.rules.mesh_axis(logical_axis)
 
+    @property
+    def splits_only_batch(self) -> bool:
+        """Whether no rule but `batch`'s splits over a mesh axis of more than one device
+        (pure data parallelism: replicas may hold different numbers of rows)."""
+        return not any(self.axis_size(axis) > 1 and logical != "batch"
+                       for logical, axis in self.rules.rules)
+
     def tensor_layout(
         self,
         logical_axes: Sequence[Optional[str]],

@@ -46,6 +46,18 @@ def transformer_inventory(config, mesh, optimizer="adam") -> Inventory:
     return Inventory.of(model, optimizer)  # the optimizer's stand-ins are real variables
 
 
+def _check_step(devices, global_batch: int, length: int) -> int:
+    """The device count, once `devices`, `global_batch` and `length` are checked."""
+    num = devices if isinstance(devices, int) else len(devices)
+    for name, value in (("devices", num), ("global_batch", global_batch), ("length", length)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
+    if global_batch % num:
+        raise ValueError(f"global_batch={global_batch} does not divide over {num} devices "
+                         f"(tfdist splits the rows over every device); use a multiple of {num}.")
+    return num
+
+
 def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, length: int,
          memory_per_device: Optional[int] = None, optimizer="adam",
          calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
@@ -78,13 +90,7 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
             least memory per device that would), or no layout is valid.
         ValueError: a bad argument.
     """
-    num = devices if isinstance(devices, int) else len(devices)
-    for name, value in (("devices", num), ("global_batch", global_batch), ("length", length)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
-    if global_batch % num:
-        raise ValueError(f"global_batch={global_batch} does not divide over {num} devices "
-                         f"(tfdist splits the rows over every device); use a multiple of {num}.")
+    num = _check_step(devices, global_batch, length)
     calibration = calibration or Calibration.measure([num], engine=engine)
     splittable = transformer_inventory(model_config, Mesh.single_device(), None).logical_axes
     return rank(meshes(splittable, num),
@@ -111,11 +117,7 @@ def plan_keras(model, devices: Union[int, Sequence[str]], global_batch: int, len
     """
     from tfdist.planner.derive import logical_axes
 
-    num = devices if isinstance(devices, int) else len(devices)
-    if global_batch % num:
-        raise ValueError(f"global_batch={global_batch} does not divide over {num} devices "
-                         f"(ModelParallel splits the rows over every device); use a multiple "
-                         f"of {num}.")
+    num = _check_step(devices, global_batch, length)
     axes = logical_axes(model)
     inventory = Inventory.of(model, optimizer, axes=axes)
     calibration = calibration or Calibration.measure([num], engine=engine)

@@ -23,7 +23,6 @@ import itertools
 from typing import List, Optional, Sequence, Tuple
 
 from tfdist.mesh import Mesh
-from tfdist.planner.inventory import Inventory
 from tfdist.planner.memory import Memory, state_bytes
 from tfdist.planner.probe import Calibration
 from tfdist.planner.workload import Work
@@ -99,12 +98,6 @@ def meshes(logical_axes: Sequence[str], num_devices: int, fsdp: bool = False) ->
     return out
 
 
-def is_data_parallel(mesh: Mesh) -> bool:
-    """Whether no rule splits anything over a mesh axis of more than one device but the batch."""
-    return not any(mesh.axis_size(axis) > 1 and logical != "batch"
-                   for logical, axis in mesh.rules.rules)
-
-
 def speed_factor(mesh: Mesh, speeds: Optional[Sequence[float]]) -> float:
     """How much longer the compute takes on devices of relative `speeds` than on equal
     fastest ones: rows in proportion to speed where only the batch is split (every
@@ -112,18 +105,19 @@ def speed_factor(mesh: Mesh, speeds: Optional[Sequence[float]]) -> float:
     if not speeds:
         return 1.0
     relative = [s / max(speeds) for s in speeds]
-    if is_data_parallel(mesh):
+    if mesh.splits_only_batch:
         return len(relative) / sum(relative)
     return 1.0 / min(relative)
 
 
-def step_seconds(work: Work, devices: int, calibration: Calibration,
+def step_seconds(work: Work, devices: int, calibration: Calibration, update_bytes: int = 0,
                  compute_factor: float = 1.0) -> float:
-    """The cost model (see the module docstring); `compute_factor` scales the compute
+    """The cost model (see the module docstring): `update_bytes`, the local trainable
+    bytes the optimizer updates (`Memory.gradients`); `compute_factor` scales the compute
     and update terms (unequal devices: `speed_factor`)."""
     seconds = calibration.overhead_seconds(devices) + compute_factor * (
         calibration.compute_seconds(work.flops, devices) +
-        calibration.update_seconds_for(work.update_bytes, devices))
+        calibration.update_seconds_for(update_bytes, devices))
     for c in work.collectives:
         seconds += c.count * calibration.collective_seconds(c.kind, c.group, c.bytes)
     return seconds
@@ -157,10 +151,10 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
             continue
         memory = Memory(weights, optimizer, gradients, work.activations)
         shares = None
-        if speeds and is_data_parallel(mesh):
+        if speeds and mesh.splits_only_batch:
             shares = tuple(s / sum(speeds) for s in speeds)
         candidate = Candidate(mesh, memory, work,
-                              step_seconds(work, mesh.size, calibration,
+                              step_seconds(work, mesh.size, calibration, gradients,
                                            speed_factor(mesh, speeds)), shares)
         if memory_per_device is None or memory.total <= memory_per_device:
             fits.append(candidate)

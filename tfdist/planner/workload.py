@@ -40,7 +40,6 @@ from typing import Dict, Optional, Tuple
 
 from tfdist.mesh import Mesh
 from tfdist.planner.inventory import Inventory
-from tfdist.planner.memory import local_bytes
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -58,13 +57,11 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One step's work per device: `flops`, `collectives`, `activations` bytes and
-    the bytes of trainable weights its optimizer updates (`update_bytes`)."""
+    """One step's work per device: `flops`, `collectives`, `activations` bytes."""
 
     flops: float
     collectives: Tuple[Collective, ...]
     activations: int
-    update_bytes: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -87,16 +84,17 @@ def gradient_collectives(inventory: Inventory, mesh: Mesh,
     into buckets of at most `bucket_bytes`.
     """
     by_group: Dict[int, int] = {}
+    data_axis = mesh.mesh_axis("batch")
     for entry in inventory.weights:
         if not entry.trainable:
             continue
         layout = mesh.tensor_layout(entry.axes, entry.shape, pad=entry.may_pad)
-        data_axis = mesh.mesh_axis("batch")
         if data_axis is not None and data_axis in layout.sharded_mesh_axes:
             continue  # split over the batch axis (FSDP): reduce-scattered where it is read
         group = mesh.size // layout.num_shards
         if group > 1:
-            by_group[group] = by_group.get(group, 0) + local_bytes(entry, mesh)
+            by_group[group] = by_group.get(group, 0) + \
+                math.prod(layout.local_shape) * entry.itemsize
     out = []
     for group, total in sorted(by_group.items()):
         buckets = max(1, math.ceil(total / bucket_bytes))
@@ -182,12 +180,10 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
         if label_smoothing:  # the rows' logit sums too
             colls.append(Collective("all_reduce", a_vocab, int(2 * a_vocab * t * word), 1))
     flops *= 3  # forward + backward (two matmuls per forward one)
-    update = 0
     if inventory is not None:
         colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
-        update = sum(local_bytes(e, mesh) for e in inventory.weights if e.trainable)
     activations = _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp)
-    return Work(flops, tuple(colls), int(activations), update)
+    return Work(flops, tuple(colls), int(activations))
 
 
 def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> float:
@@ -237,8 +233,7 @@ def keras_work(inventory: Inventory, mesh: Mesh, batch: int, length: int,
       forward and backward;
     - a weight split over the batch axis (FSDP, `d_model:data`): gathered for the
       forward and again for the backward pass (`reshard_after_forward`), its
-      gradient reduce-scattered; the others' gradients all-reduced (`gradient_collectives`);
-    - the optimizer's update of every local trainable byte.
+      gradient reduce-scattered; the others' gradients all-reduced (`gradient_collectives`).
     """
     n = mesh.size
     t = batch * length / n
@@ -275,8 +270,7 @@ def keras_work(inventory: Inventory, mesh: Mesh, batch: int, length: int,
         colls += [Collective("all_gather", a, int(t * d * word), 2),
                   Collective("reduce_scatter", a, int(a * t * d * word), 2)]
     colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
-    update = sum(local_bytes(e, mesh) for e in inventory.weights if e.trainable)
     # activations: each kernel's output per token and the norms' inputs (an estimate)
     acts = sum(t * math.prod(e.shape) / max(1, e.shape[e.axes.index("d_model")]) * word
                for e in inventory.weights if "d_model" in e.axes and len(e.shape) >= 2)
-    return Work(flops, tuple(colls), int(acts), update)
+    return Work(flops, tuple(colls), int(acts))

@@ -231,8 +231,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         """Whether reading a weight globally is a collective (some layout rule splits)."""
         if self.extended.keras_layouts is not None:
             return self.mesh.size > 1  # a LayoutMap may split any weight
-        return any(self.mesh.axis_size(axis) > 1 and logical != "batch"
-                   for logical, axis in self.mesh.rules.rules)
+        return not self.mesh.splits_only_batch
 
     def __repr__(self):
         return (f"HorovodStrategy(mesh_shape={self.mesh.shape.to_string()!r}, "
