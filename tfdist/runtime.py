@@ -98,8 +98,8 @@ def weights_on(mesh: Mesh):
     """Layers built inside lay their weights out for `mesh`, with no strategy.
 
     For listing the weights a model would make on a mesh (`tfdist.planner`):
-    build inside a `keras.StatelessScope` too, so that nothing is allocated;
-    no collective runs (there is no runtime).
+    build inside `tfdist.planner.unallocated()` too, so that nothing is
+    allocated; no collective runs (there is no runtime).
     """
     stack = getattr(_local, "meshes", None)
     if stack is None:

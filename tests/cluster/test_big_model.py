@@ -4,9 +4,10 @@ Each process of a job caps its own address space (`RLIMIT_AS`) at its baseline
 plus 95% of the model's weights and Adam slots, the baseline being its peak
 address space once the same program has trained a tiny backbone
 (`big_model_job.py`). The keras-hub Gemma backbone (1.1 GiB of weights and
-slots) trains tensor parallel over two pinned processes, saves a sharded
-checkpoint, and resumes FSDP on another mesh under such caps; the same model in
-one process under such a cap fails.
+slots) trains over two pinned processes on the layout the planner picks for
+that budget (the naive one, data parallel with whole weights, predicted not to
+fit), saves a sharded checkpoint, and resumes FSDP on another mesh under such
+caps; the same model in one process under such a cap fails.
 """
 
 import json
@@ -55,8 +56,11 @@ def mib(values):
 
 def test_a_model_too_big_for_one_capped_process_trains_saves_and_resumes_over_two(tmp_path):
     path = str(tmp_path / "gemma.shards")
-    trained = report(launch(tmp_path, "train", "1x2", path), "train")
+    trained = report(launch(tmp_path, "train", "planned", path), "train")
     assert [c - b for c, b in zip(trained["caps"], trained["baseline"])] == [BUDGET] * 2
+    # The planner: the naive layout does not fit the budget, its pick does (and trains).
+    assert "data:2;model:1 batch:data" in trained["too_big"], trained["too_big"]
+    assert trained["planned_total"] <= BUDGET
     # Weights and slots per process: about half the model (the norms stay whole).
     assert max(trained["device_bytes"]) < 0.55 * MODEL_BYTES
     resumed = report(launch(tmp_path, "resume", "2x1", path), "resume")
@@ -79,7 +83,9 @@ def test_a_model_too_big_for_one_capped_process_trains_saves_and_resumes_over_tw
     assert out_of_memory or killed_building, f"exit {single.returncode}: {output[-3000:]}"
     print(f"model {MODEL_BYTES / 2 ** 20:.0f} MiB of weights + Adam slots; each process capped "
           f"at its baseline + {BUDGET / 2 ** 20:.0f} MiB (95%)")
-    for name, r in (("train 1x2", trained), ("resume 2x1", resumed)):
+    print(f"planned: {trained['plan']} ({trained['planned_total'] / 2 ** 20:.0f} MiB "
+          f"predicted per process); too big: {trained['too_big']}")
+    for name, r in (("train planned", trained), ("resume 2x1", resumed)):
         above = [p - b for p, b in zip(r["vm_peak"], r["baseline"])]
         print(f"{name}: caps {mib(r['caps'])} MiB (baselines {mib(r['baseline'])}); "
               f"weights+slots per process {mib(r['device_bytes'])} MiB, peak RSS "

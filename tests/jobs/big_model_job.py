@@ -11,10 +11,12 @@ pool a step needs started, is its baseline. With `TFDIST_TEST_AS_BUDGET`
 baseline plus that budget (workers, which run no program of their own, when the
 controller tells them through files in `TFDIST_TEST_SIGNAL_DIR`). Modes:
 
-- `train SHAPE CHECKPOINT`: a keras-hub Gemma backbone with its own layout map
-  on a `(batch, model)` DeviceMesh of SHAPE ("1x2": tensor parallel, "2x1":
-  FSDP), weights drawn shard by shard, trains 3 steps and saves a sharded
-  checkpoint.
+- `train planned CHECKPOINT`: the planner (`tfdist.planner.plan_keras`, on the
+  backbone built `unallocated()`, with the budget as `memory_per_device`) picks
+  the layout and derives its `LayoutMap`; the keras-hub Gemma backbone on it,
+  weights drawn shard by shard, trains 3 steps and saves a sharded checkpoint.
+  (`train SHAPE CHECKPOINT`: the backbone's own layout map on a `(batch, model)`
+  DeviceMesh of SHAPE instead, "1x2": tensor parallel, "2x1": FSDP.)
 - `resume SHAPE CHECKPOINT`: the same backbone on SHAPE loads the checkpoint
   (weights and Adam state), checks them against the saved sums, trains 2 steps.
 - `single`: the same backbone and training in one process, no strategy.
@@ -170,6 +172,33 @@ def _build(strategy, config):
     return model
 
 
+def _planned(devices, budget):
+    """(ModelParallel, plan fields): the planner's fastest layout of the backbone that
+    fits `budget` bytes per process, and its derived LayoutMap.
+
+    The calibration is fixed (collectives dear, compute cheap): this job is about
+    memory; `bench/planner.py` measures the ranking against real steps."""
+    import keras
+    import keras_hub
+
+    import tfdist.distribution as td
+    from tfdist.planner import Calibration, keras_layout_map, plan_keras, unallocated
+
+    with unallocated():  # shapes and paths only: the planner allocates no weight
+        model = keras_hub.models.GemmaBackbone(**CONFIG)
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    calibration = Calibration({2: 1e10}, {(k, 2): (1e-4, 1e-9) for k in kinds}, {2: 1e-3},
+                              {2: 1e-9})
+    plan = plan_keras(model, devices, BATCH, LENGTH, memory_per_device=budget,
+                      calibration=calibration)
+    device_mesh, layout_map = keras_layout_map(model, plan.best, devices)
+    fields = dict(plan=plan.best.flags, planned_total=plan.best.memory.total,
+                  too_big=[f"{c.mesh.shape} {c.mesh.rules}" for c in plan.too_big])
+    print(plan.table(), flush=True)
+    return td.ModelParallel(layout_map=layout_map, batch_dim_name="data",
+                            devices=devices), fields
+
+
 def main():
     global mode
     faulthandler.enable()  # a native crash under the cap prints where it happened
@@ -177,6 +206,7 @@ def main():
     task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
     budget = int(os.environ.get("TFDIST_TEST_AS_BUDGET", "0"))  # bytes above the baseline
     signal_dir = os.environ.get("TFDIST_TEST_SIGNAL_DIR", "")
+    planned = {}
     if mode == "single":
         import tensorflow as tf
 
@@ -194,10 +224,14 @@ def main():
 
         import tfdist.distribution as td
 
-        shape = tuple(int(n) for n in sys.argv[2].split("x"))
-        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-        strategy = td.ModelParallel(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
-                                    batch_dim_name="batch", devices=devices)
+        if sys.argv[2] == "planned":
+            strategy, planned = _planned(devices, budget or None)
+        else:
+            shape = tuple(int(n) for n in sys.argv[2].split("x"))
+            mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+            strategy = td.ModelParallel(
+                layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+                batch_dim_name="batch", devices=devices)
     from tfdist import checkpoint
     from tfdist.testing.memory import device_bytes
 
@@ -206,7 +240,7 @@ def main():
     # pool a step needs already exists; then each process caps itself above it.
     tiny = _build(strategy, TINY)
     tiny.fit(*_data(TINY), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    fields = dict(baseline=_job_status("VmPeak"))
+    fields = dict(baseline=_job_status("VmPeak"), **planned)
     if budget:
         fields["caps"] = _cap_job(signal_dir, tasks, budget)
     x, y = _data(CONFIG)

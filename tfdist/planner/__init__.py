@@ -17,6 +17,7 @@ Example:
 
 from typing import Optional, Sequence, Union
 
+from tfdist.internal.keras_unallocated import unallocated
 from tfdist.mesh import Mesh
 
 from tfdist.planner.inventory import Entry, Inventory
@@ -30,17 +31,15 @@ def transformer_inventory(config, mesh, optimizer="adam") -> Inventory:
     """The `Inventory` of a `tfdist.models.Transformer` with `config` and its
     `optimizer` (a name: a fresh one is made) as the model lays them out on `mesh`.
 
-    The model is built in a Keras `StatelessScope` (no weight is allocated)
-    with `mesh` as the ambient mesh (`runtime.weights_on`): layers whose
+    The model is built in `unallocated()` (no weight gets a value, now or
+    later) with `mesh` as the ambient mesh (`runtime.weights_on`): layers whose
     weights depend on the mesh (an MoE's hidden axis when experts and `d_ff`
     share a mesh axis) declare what they would on it.
     """
-    import keras
-
     from tfdist.models import Transformer
     from tfdist.runtime import weights_on
 
-    with weights_on(mesh), keras.StatelessScope():
+    with weights_on(mesh), unallocated():
         model = Transformer(config, name="transformer")
         model.build()
     return Inventory.of(model, optimizer)  # the optimizer's stand-ins are real variables
@@ -113,6 +112,10 @@ def plan_keras(model, devices: Union[int, Sequence[str]], global_batch: int, len
     with every combination of those rules; `keras_layout_map(model, candidate)`
     turns one into the `LayoutMap` to train with.
 
+    The model need not hold its weights: one built inside `unallocated()`
+    (shapes, dtypes and paths only) plans the same, for models bigger than
+    the planning process may allocate.
+
     Args and Raises: as `plan`, for a Keras model of `length`-token rows.
     """
     from tfdist.planner.derive import logical_axes
@@ -141,4 +144,5 @@ def keras_layout_map(model, candidate: Candidate, devices=None):
 
 __all__ = ["Calibration", "Candidate", "Collective", "Entry", "Inventory", "Memory",
            "NoLayoutFits", "Plan", "Work", "keras_layout_map", "keras_work", "meshes", "plan",
-           "plan_keras", "rank", "state_bytes", "transformer_inventory", "transformer_work"]
+           "plan_keras", "rank", "state_bytes", "transformer_inventory", "transformer_work",
+           "unallocated"]
