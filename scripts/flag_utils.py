@@ -64,6 +64,35 @@ def parse_bytes(value: str):
     return int(number * _UNITS[unit])
 
 
+def define_plan_flags() -> None:
+    """--memory_per_device, the bound `--layout=auto` plans under."""
+    flags.DEFINE_string("memory_per_device", "",
+                        "--layout=auto: bytes a device may hold, e.g. 2GiB, 512MiB, 1e9 "
+                        "(empty: no bound).")
+    validate_bytes_flag("memory_per_device")
+
+
+def devices_to_plan() -> int:
+    """The device count `--layout=auto` plans over: --mesh_shape's, on this machine
+    (CPU devices split before TensorFlow starts).
+
+    Raises:
+        ValueError: under a cluster or Horovod, where every process would plan
+            (and calibrate) on its own: run the planner once and pass its flags.
+    """
+    FLAGS = flags.FLAGS
+    devices = MeshShape.parse(FLAGS.mesh_shape).size
+    if FLAGS.strategy != "mesh" or cluster_from_flags() is not None:
+        raise ValueError("--layout=auto plans over this machine's devices (--strategy=mesh "
+                         "without a cluster); for Horovod ranks or a cluster plan on one "
+                         "machine (scripts/plan.py, or this script with --layout=auto) and "
+                         "pass the flags it prints.")
+    from tfdist.devices import split_cpu
+
+    split_cpu(devices)  # before the planner's model starts TensorFlow
+    return devices
+
+
 def define_cluster_flags() -> None:
     """--strategy, --communication, --worker_hosts, --task_index, --devices_per_worker."""
     flags.DEFINE_enum("strategy", "mesh", ["mesh", "multi_worker", "horovod"],

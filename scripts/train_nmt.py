@@ -31,8 +31,9 @@ from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
 from flag_utils import (cluster_from_flags, define_checkpoint_flags,  # noqa: E402
-                        define_cluster_flags, devices_from_flags, parse_bytes, run, strategy_from_flags,
-                        validate_bytes_flag, validate_mesh_flags)
+                        define_cluster_flags, define_plan_flags, devices_from_flags,
+                        devices_to_plan, parse_bytes, run, strategy_from_flags,
+                        validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -43,9 +44,6 @@ def define_flags():
     flags.DEFINE_string("layout", run.mesh.layout,
                         "Mesh-TF layout rules, or 'auto': the planner picks the mesh shape and "
                         "rules over --mesh_shape's devices (scripts/plan.py prints its table).")
-    flags.DEFINE_string("memory_per_device", "",
-                        "--layout=auto: bytes a device may hold, e.g. 2GiB, 512MiB, 1e9 "
-                        "(empty: no bound).")
     flags.DEFINE_string("corpus", run.corpus, f"Built-in corpus: {list(NMTConfig.CORPORA)}.")
     for name in ("train_src", "train_tgt", "test_src", "test_tgt", "train_tsv", "test_tsv",
                  "spm_model"):
@@ -90,7 +88,7 @@ def define_flags():
     flags.DEFINE_boolean("xla", True, "jit_compile the training step where TF can.")
     flags.DEFINE_string("model_dir", None, "Config, checkpoints, tokenizer, TensorBoard logs.")
     validate_mesh_flags(allow_auto=True)
-    validate_bytes_flag("memory_per_device")
+    define_plan_flags()
     define_cluster_flags()
     define_checkpoint_flags()
 
@@ -133,17 +131,9 @@ def plan_from_flags():
     """
     import math
 
-    from tfdist.mesh import MeshShape
     from tfdist.planner import plan
 
-    devices = MeshShape.parse(FLAGS.mesh_shape).size
-    if FLAGS.strategy != "mesh" or cluster_from_flags() is not None:
-        raise ValueError("--layout=auto plans over this machine's devices (--strategy=mesh "
-                         "without a cluster); for Horovod ranks or a cluster run "
-                         "scripts/plan.py and pass the flags it prints.")
-    from tfdist.devices import split_cpu
-
-    split_cpu(devices)  # before the planner's model starts TensorFlow
+    devices = devices_to_plan()
     multiple = math.lcm(8, devices)
     vocab = -(-FLAGS.vocab_size // multiple) * multiple
     rows = max(devices, FLAGS.max_tokens // FLAGS.max_length // devices * devices)

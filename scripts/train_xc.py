@@ -22,7 +22,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, XCConfig  # noqa: E402
-from flag_utils import (define_checkpoint_flags, define_cluster_flags, run,  # noqa: E402
+from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
+                        define_plan_flags, devices_to_plan, parse_bytes, run,
                         strategy_from_flags, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
@@ -31,7 +32,9 @@ FLAGS = flags.FLAGS
 def define_flags():
     defaults = XCConfig()
     flags.DEFINE_string("mesh_shape", defaults.mesh.mesh_shape, "Mesh-TF mesh shape.")
-    flags.DEFINE_string("layout", defaults.mesh.layout, "Mesh-TF layout rules.")
+    flags.DEFINE_string("layout", defaults.mesh.layout,
+                        "Mesh-TF layout rules, or 'auto': the planner picks the mesh shape and "
+                        "rules over --mesh_shape's devices, prints its table and trains on it.")
     flags.DEFINE_integer("num_classes", defaults.num_classes, "Number of classes C.")
     flags.DEFINE_integer("d_model", defaults.d_model, "Feature / hidden size.")
     flags.DEFINE_integer("batch_size", defaults.batch_size, "Global batch size.")
@@ -49,23 +52,43 @@ def define_flags():
     flags.DEFINE_integer("backup_every", defaults.backup_every,
                          "With --model_dir: back up every so many steps (0: once, at the "
                          "end); a run with the same --model_dir resumes from the newest.")
-    validate_mesh_flags()
+    validate_mesh_flags(allow_auto=True)
+    define_plan_flags()
     define_cluster_flags()
     define_checkpoint_flags()
 
+
+def config_from_flags() -> XCConfig:
+    return XCConfig(
+        mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), num_classes=FLAGS.num_classes,
+        d_model=FLAGS.d_model, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
+        learning_rate=FLAGS.learning_rate, label_smoothing=FLAGS.label_smoothing,
+        sample_rate=FLAGS.sample_rate, train_file=FLAGS.train_file, test_file=FLAGS.test_file,
+        eval_examples=FLAGS.eval_examples, seed=FLAGS.seed,
+        backup_every=FLAGS.backup_every).validate()
+
+
+def plan_from_flags():
+    """The planner's ranking of this script's model over the devices of --mesh_shape,
+    each bounded by --memory_per_device."""
+    from tfdist.planner import plan_xc
+
+    devices = devices_to_plan()
+    FLAGS.layout = "batch:data"  # any valid rules: the config is checked, then planned
+    config = config_from_flags()
+    return plan_xc(config, devices, memory_per_device=parse_bytes(FLAGS.memory_per_device))
 
 
 def main(argv):
     del argv
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
-        config = XCConfig(
-            mesh=MeshConfig(FLAGS.mesh_shape, FLAGS.layout), num_classes=FLAGS.num_classes,
-            d_model=FLAGS.d_model, batch_size=FLAGS.batch_size, steps=FLAGS.steps,
-            learning_rate=FLAGS.learning_rate, label_smoothing=FLAGS.label_smoothing,
-            sample_rate=FLAGS.sample_rate, train_file=FLAGS.train_file, test_file=FLAGS.test_file,
-            eval_examples=FLAGS.eval_examples, seed=FLAGS.seed,
-            backup_every=FLAGS.backup_every).validate()
+        if FLAGS.layout == "auto":
+            ranked = plan_from_flags()
+            print(ranked.table(), flush=True)
+            FLAGS.mesh_shape, FLAGS.layout = str(ranked.best.mesh.shape), str(ranked.best.mesh.rules)
+            print(f"train_xc: --layout=auto chose {ranked.best.flags}", flush=True)
+        config = config_from_flags()
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     mesh = config.mesh.mesh()

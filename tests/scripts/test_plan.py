@@ -1,26 +1,7 @@
 """scripts/plan.py and train_nmt.py --layout=auto, run as a user would."""
 
-import json
-
-import pytest
-
-from tfdist.planner import Calibration
-from tfdist.planner.probe import cache_path
-
 SMALL = ["--d_model=32", "--d_ff=64", "--num_heads=2", "--d_kv=16", "--num_encoder_layers=2",
          "--num_decoder_layers=2", "--max_length=24", "--max_tokens=768", "--vocab_size=128"]
-
-
-@pytest.fixture
-def calibrated(tmp_path, monkeypatch):
-    """This machine's calibration cache in `tmp_path`, with in-process collectives far
-    dearer than the update of a weight: the planner's pick is data parallelism."""
-    monkeypatch.setenv("TFDIST_PLANNER_CACHE", str(tmp_path))
-    colls = {(k, n): (1e-2, 1e-9) for k in ("all_reduce", "all_gather", "reduce_scatter",
-                                            "all_to_all") for n in (2, 4)}
-    with open(cache_path(), "w") as f:
-        json.dump(Calibration({2: 1e10, 4: 1e10}, colls, {2: 1e-3, 4: 1e-3},
-                              {2: 1e-9, 4: 1e-9}).to_json(), f)
 
 
 def test_plan_prints_the_ranked_layouts_and_the_flags(run_script, calibrated):

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
-def test_synthetic_run_learns_writes_outputs_and_sampling_converges(run_script, tmp_path):
+def test_synthetic_run_learns_writes_outputs_and_sampling_converges(run_script, tmp_path,
+                                                                   calibrated):
     result = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40",
                         "--batch_size=64", "--mesh_shape=data:1;model:2", "--eval_examples=1001",
                         "--backup_every=20", "--checkpoint_format=sharded",
@@ -41,10 +42,16 @@ def test_synthetic_run_learns_writes_outputs_and_sampling_converges(run_script, 
                               if l.startswith("held-out")).split()[2].rstrip(","))
     assert resumed_top1 >= top1 - 0.02  # trained on from the backup, not from scratch
 
-    # Class-centre sampling (10% of each shard's classes) lands within a few points.
+    # Class-centre sampling (10% of each shard's classes) lands within a few points; on
+    # the layout the planner picks for 2 devices of 800 KiB each: data parallelism
+    # (the calibration's favourite) would hold 1.1 MiB, the classes split 0.6 MiB.
     sampled = run_script("train_xc.py", "--num_classes=2000", "--d_model=32", "--steps=40",
-                         "--batch_size=64", "--mesh_shape=data:1;model:2", "--sample_rate=0.1")
+                         "--batch_size=64", "--mesh_shape=data:2", "--sample_rate=0.1",
+                         "--layout=auto", "--memory_per_device=800KiB")
     assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert "train_xc: --layout=auto chose --mesh_shape='data:1;model:2' " \
+           "--layout='batch:data;classes:model'" in sampled.stdout
+    assert "data:2;model:1   batch:data" in sampled.stdout and "(does not fit)" in sampled.stdout
     assert "training samples 0.1 of each shard's classes" in sampled.stdout
     line = next(l for l in sampled.stdout.splitlines() if l.startswith("held-out"))
     sampled_top1 = float(line.split()[2].rstrip(","))
@@ -118,9 +125,15 @@ def test_bad_cluster_gives_one_clear_error(env, flags, fragment, tmp_path, monke
         (["--mesh_shape=data:1;model"], "Malformed mesh shape pair 'model'"),
         (["--steps=10", "--backup_every=3"],
          "backup_every must be 0 or a positive divisor of steps=10; received backup_every=3"),
+        (["--layout=auto", "--memory_per_device=1KiB"],
+         "no layout fits in memory_per_device=1,024 bytes; the least any takes is"),
+        (["--layout=auto", "--memory_per_device=lots"], "memory size 'lots' is not a positive"),
+        (["--layout=auto", "--strategy=horovod"],
+         "--layout=auto plans over this machine's devices (--strategy=mesh without a cluster)"),
     ],
 )
-def test_bad_flags_give_one_clear_error(run_script, flags, fragment, assert_one_line_error):
+def test_bad_flags_give_one_clear_error(run_script, flags, fragment, assert_one_line_error,
+                                        calibrated):
     result = run_script("train_xc.py", *flags, timeout=120)
     assert_one_line_error(result, fragment)
 

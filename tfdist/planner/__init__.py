@@ -24,7 +24,7 @@ from tfdist.planner.inventory import Entry, Inventory
 from tfdist.planner.memory import Memory, state_bytes
 from tfdist.planner.probe import Calibration
 from tfdist.planner.search import Candidate, NoLayoutFits, Plan, meshes, rank
-from tfdist.planner.workload import Collective, Work, keras_work, transformer_work
+from tfdist.planner.workload import Collective, Work, keras_work, transformer_work, xc_work
 
 
 def transformer_inventory(config, mesh, optimizer="adam") -> Inventory:
@@ -43,6 +43,20 @@ def transformer_inventory(config, mesh, optimizer="adam") -> Inventory:
         model = Transformer(config, name="transformer")
         model.build()
     return Inventory.of(model, optimizer)  # the optimizer's stand-ins are real variables
+
+
+def xc_inventory(config, mesh, optimizer="adam") -> Inventory:
+    """The `Inventory` of `scripts/train_xc.py`'s model for an `XCConfig` (features ->
+    `ShardedSoftmax(num_classes)`) and its `optimizer`, laid out on `mesh`, unallocated."""
+    import keras
+
+    from tfdist.layers import ShardedSoftmax
+    from tfdist.runtime import weights_on
+
+    with weights_on(mesh), unallocated():
+        inputs = keras.Input((config.d_model,))
+        model = keras.Model(inputs, ShardedSoftmax(config.num_classes, name="head")(inputs))
+    return Inventory.of(model, optimizer)
 
 
 def _check_step(devices, global_batch: int, length: int) -> int:
@@ -99,6 +113,24 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
                 calibration, memory_per_device, speeds)
 
 
+def plan_xc(config, devices: Union[int, Sequence[str]],
+            memory_per_device: Optional[int] = None, optimizer="adam",
+            calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
+            engine: str = "mesh", speeds: Optional[Sequence[float]] = None) -> Plan:
+    """Ranks the layouts of `scripts/train_xc.py`'s extreme classifier (an `XCConfig`:
+    classes, features, batch, sample rate) over `devices`: data parallelism, and the
+    classes split over a `model` axis of every size dividing the devices.
+
+    Args, Returns and Raises: as `plan` (the global batch is `config.batch_size`).
+    """
+    num = _check_step(devices, config.batch_size, 1)
+    calibration = calibration or Calibration.measure([num], engine=engine)
+    return rank(meshes(("classes",), num),
+                lambda mesh: xc_inventory(config, mesh, optimizer),
+                lambda mesh, inventory: xc_work(config, mesh, inventory, bucket_bytes),
+                calibration, memory_per_device, speeds)
+
+
 def plan_keras(model, devices: Union[int, Sequence[str]], global_batch: int, length: int,
                memory_per_device: Optional[int] = None, optimizer="adam",
                calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
@@ -144,5 +176,5 @@ def keras_layout_map(model, candidate: Candidate, devices=None):
 
 __all__ = ["Calibration", "Candidate", "Collective", "Entry", "Inventory", "Memory",
            "NoLayoutFits", "Plan", "Work", "keras_layout_map", "keras_work", "meshes", "plan",
-           "plan_keras", "rank", "state_bytes", "transformer_inventory", "transformer_work",
-           "unallocated"]
+           "plan_keras", "plan_xc", "rank", "state_bytes", "transformer_inventory", "transformer_work",
+           "unallocated", "xc_inventory", "xc_work"]

@@ -274,3 +274,48 @@ def keras_work(inventory: Inventory, mesh: Mesh, batch: int, length: int,
     acts = sum(t * math.prod(e.shape) / max(1, e.shape[e.axes.index("d_model")]) * word
                for e in inventory.weights if "d_model" in e.axes and len(e.shape) >= 2)
     return Work(flops, tuple(colls), int(acts))
+
+
+def xc_work(config, mesh: Mesh, inventory: Optional[Inventory] = None,
+            bucket_bytes: int = 25 << 20, top_k: Tuple[int, ...] = (1, 5)) -> Work:
+    """A training step of `scripts/train_xc.py`'s model (features -> `ShardedSoftmax`
+    over C classes, its loss and top-k metrics) on `mesh`, for an `XCConfig`.
+
+    Per device, with b = batch / N rows, d = d_model, C classes, A = the
+    size of the axis `classes` is split over and r = `sample_rate` (training
+    multiplies by r of each shard's classes):
+
+    - FLOPs: the logits [b*A, d] x [d, r*C/A] and the kernel's gradient, 4 b d r C
+      (the features are data: no gradient flows to them);
+    - with A > 1: the features gathered over the axis (b d floats) and the
+      labels (b ints); the loss's max, sum of exponentials and target logit
+      all-reduced over [b*A] floats, the placed gradient once more backward (and
+      [b*A, 2] logit sums with label smoothing); each top-k metric all-reduces
+      [b*A] twice and gathers [b*A, k] values and ids;
+    - the kernel's and bias's gradients summed over the devices holding the
+      same shard (`gradient_collectives`).
+
+    Activations: the logits, their exponentials and their gradient (b r C
+    floats each) and the gathered features.
+    """
+    n = mesh.size
+    b = config.batch_size / n
+    d, c, r = config.d_model, config.num_classes, config.sample_rate
+    a = mesh.axis_size(mesh.mesh_axis("classes"))
+    word = 4
+    colls = []
+    if a > 1:
+        rows = b * a
+        colls += [Collective("all_gather", a, int(b * d * word), 1),
+                  Collective("all_gather", a, int(b * 4), 1),
+                  Collective("all_reduce", a, int(rows * word), 4)]
+        if config.label_smoothing:
+            colls.append(Collective("all_reduce", a, int(2 * rows * word), 1))
+        for k in top_k:
+            colls += [Collective("all_reduce", a, int(rows * word), 2),
+                      Collective("all_gather", a, int(rows * min(k, math.ceil(c / a)) * 4), 2)]
+    if inventory is not None:
+        colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
+    flops = 4 * b * d * r * c
+    activations = (3 * b * r * c + b * a * d) * word
+    return Work(flops, tuple(colls), int(activations))
