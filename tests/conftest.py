@@ -37,7 +37,11 @@ split_cpu(NUM_DEVICES)
 def computed_once(tmp_path_factory):
     """`computed_once(key, compute)`: `compute()`'s picklable result, computed by one
     pytest-xdist worker per run and read from disk by the others (a file lock)."""
-    shared = tmp_path_factory.getbasetemp().parent  # common to every worker of a run
+    # Common to every worker of a run: under pytest-xdist each worker's base directory
+    # sits in the run's; without it the base directory is the run's own (its parent
+    # holds earlier runs', whose results may be stale).
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(key, compute):
         path = shared / f"{key}.pickle"
