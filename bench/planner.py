@@ -1,5 +1,9 @@
 """The planner's predictions against measured steps, one run.
 
+The candidates include pipelines (`stage:p;data:N/p`, 1F1B and GPipe, p to
+4p micro-batches; tfdist.planner.pipeline), trained as `pipelined_transformer`
+on the same devices (stages on the processes with `--engine processes`).
+
 The model: `tfdist.models.Transformer`, 2 + 2 layers, d_model 256, 4 heads of
 64, d_ff 2048, vocabulary 8192, 4 experts in every other FFN (GShard MoE),
 dropout 0, Adam (14.7M parameters); batch 8 rows of 32 source and target
@@ -73,11 +77,25 @@ def case(args):
     rows = BATCH * (2 + args.steps)
     source = rng.integers(3, config.vocab_size, (rows, LENGTH)).astype("int32")
     target = rng.integers(3, config.vocab_size, (rows, LENGTH)).astype("int32")
-    strategy = MeshStrategy(args.mesh_shape, args.layout, devices=devices)
     keras.utils.set_random_seed(1)
-    with strategy.scope():
-        model = Transformer(config, name="transformer")
+    pipelined = "layers:" in args.layout
+    if pipelined:  # a pipeline: its stages placed on the mesh's devices
+        from tfdist.models.transformer_pipeline import pipelined_transformer
+        from tfdist.pipeline.layout import PipelinePlan
+
+        plan = PipelinePlan.from_mesh(args.mesh_shape, args.layout,
+                                      config.num_encoder_layers + config.num_decoder_layers,
+                                      args.num_microbatches, args.schedule)
+        if devices is None:
+            devices = [d.name for d in tf.config.list_logical_devices("CPU")][:plan.mesh.size]
+        model = pipelined_transformer(config, plan, devices)
         model.compile(keras.optimizers.Adam(1e-4), SequenceCrossentropy(config.vocab_size))
+        devices = devices if args.engine == "processes" else None
+    else:
+        strategy = MeshStrategy(args.mesh_shape, args.layout, devices=devices)
+        with strategy.scope():
+            model = Transformer(config, name="transformer")
+            model.compile(keras.optimizers.Adam(1e-4), SequenceCrossentropy(config.vocab_size))
     warm = slice(0, 2 * BATCH)
     model.fit((source[warm], target[warm]), target[warm], batch_size=BATCH, verbose=0)
     timed = slice(2 * BATCH, None)
@@ -90,6 +108,9 @@ def case(args):
     if devices is not None:
         with open(args.result, "w") as f:
             json.dump({"s_per_step": seconds}, f)
+        return
+    if pipelined:  # stages differ: the process's peak over the devices says little
+        print(json.dumps({"s_per_step": seconds}))
         return
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     print(json.dumps({"s_per_step": seconds, "activations": (peak - before) / args.devices}))
@@ -104,6 +125,9 @@ def _measure_once(candidate, args):
     command = [sys.executable, os.path.abspath(__file__), "--case", "--mesh_shape",
                str(candidate.mesh.shape), "--layout", str(candidate.mesh.rules), "--steps",
                str(args.steps), "--devices", str(args.devices), "--engine", args.engine]
+    if candidate.pipeline is not None:
+        command += ["--num_microbatches", str(candidate.pipeline.num_microbatches),
+                    "--schedule", candidate.pipeline.schedule_name]
     if args.engine == "processes":
         import io
         import tempfile
@@ -148,6 +172,8 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--candidates", type=int, default=10)
     parser.add_argument("--inter_op", type=int, default=0)
+    parser.add_argument("--num_microbatches", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine", default="mesh", choices=["mesh", "processes"],
                         help="mesh: virtual devices of one process; processes: one device per "
@@ -174,7 +200,7 @@ def main():
         c = ranked[i]
         got = _measure(c, args)
         rows.append((i + 1, c, got))
-        print(f"  #{i + 1:<2} {str(c.mesh.shape):<15} {str(c.mesh.rules):<48} predicted "
+        print(f"  #{i + 1:<2} {str(c.mesh.shape):<15} {c.description:<48} predicted "
               f"{1e3 * c.step_seconds:7.1f} ms  measured {1e3 * got['s_per_step']:7.1f} ms  "
               + (f"step bytes predicted {_transient(c) / 2**20:6.1f} MiB measured "
                  f"{got['activations'] / 2**20:6.1f} MiB" if "activations" in got else ""),

@@ -172,8 +172,12 @@ def main(argv):
         if FLAGS.layout == "auto":
             ranked = plan_from_flags()
             print(ranked.table(), flush=True)
-            FLAGS.mesh_shape, FLAGS.layout = str(ranked.best.mesh.shape), str(ranked.best.mesh.rules)
-            print(f"train_nmt: --layout=auto chose {ranked.best.flags}", flush=True)
+            best = ranked.best
+            FLAGS.mesh_shape, FLAGS.layout = str(best.mesh.shape), str(best.mesh.rules)
+            if best.pipeline is not None:
+                FLAGS.num_microbatches = best.pipeline.num_microbatches
+                FLAGS.pipeline_schedule = best.pipeline.schedule_name
+            print(f"train_nmt: --layout=auto chose {best.flags}", flush=True)
         config = config_from_flags()
         mesh = config.mesh.mesh()
         plan = config.pipeline_plan()

@@ -13,6 +13,18 @@ def test_plan_prints_the_ranked_layouts_and_the_flags(run_script, calibrated):
     assert " 1  data:4;model:1   batch:data " in result.stdout
     assert "experts:model" in result.stdout and "data:1;model:4" in result.stdout
     assert lines[-1] == "best: --mesh_shape='data:4;model:1' --layout='batch:data'"
+    assert "stage:4;data:1   layers:stage;batch:data (1f1b, m=4)" in result.stdout
+
+
+def test_plan_picks_a_pipeline_where_only_its_stages_fit(run_script, calibrated):
+    # data:2 holds 5.7 MiB per device (the whole model and its slots, the batch's
+    # activations); 1F1B with 8 micro-batches over 2 stages 1.2 MiB on the heavier
+    result = run_script("plan.py", *SMALL, "--mesh_shape=data:2", "--memory_per_device=2MiB",
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == (
+        "best: --mesh_shape='stage:2;data:1' --layout='layers:stage;batch:data' "
+        "--num_microbatches=8 --pipeline_schedule=1f1b")
 
 
 def test_plan_names_the_least_memory_when_nothing_fits(run_script, calibrated,

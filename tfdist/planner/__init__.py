@@ -74,8 +74,14 @@ def _check_step(devices, global_batch: int, length: int) -> int:
 def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, length: int,
          memory_per_device: Optional[int] = None, optimizer="adam",
          calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
-         engine: str = "mesh", speeds: Optional[Sequence[float]] = None) -> Plan:
+         engine: str = "mesh", speeds: Optional[Sequence[float]] = None,
+         pipeline: bool = True) -> Plan:
     """Ranks the layouts of a tfdist `Transformer` over `devices` by predicted step time.
+
+    Candidates: every `data x model` mesh with the model's splittable axes on
+    `model`, and (with `pipeline`) every `stage:p;data:N/p` pipeline with the
+    1F1B and GPipe schedules and p, 2p or 4p micro-batches
+    (`tfdist.planner.pipeline`).
 
     Args:
         model_config: the model's `TransformerConfig`.
@@ -93,6 +99,7 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
             `tfdist.callbacks.SpeedProportionalBatches`'s probe): pure data
             parallelism can split rows by speed (`Candidate.batch_shares`),
             other layouts wait for the slowest.
+        pipeline: weigh pipeline layouts too (`Candidate.pipeline`).
 
     Returns:
         A `Plan`: `plan.best.mesh` is the fastest layout that fits;
@@ -105,12 +112,18 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
     """
     num = _check_step(devices, global_batch, length)
     calibration = calibration or Calibration.measure([num], engine=engine)
-    splittable = transformer_inventory(model_config, Mesh.single_device(), None).logical_axes
-    return rank(meshes(splittable, num),
+    from tfdist.planner.pipeline import pipeline_memory_and_work, pipeline_plans
+
+    whole = transformer_inventory(model_config, Mesh.single_device(), optimizer)
+    stack = model_config.num_encoder_layers + model_config.num_decoder_layers
+    pipelines = pipeline_plans(stack, num, global_batch) if pipeline else []
+    return rank(meshes(whole.logical_axes, num),
                 lambda mesh: transformer_inventory(model_config, mesh, optimizer),
                 lambda mesh, inventory: transformer_work(model_config, mesh, global_batch,
                                                          length, inventory, bucket_bytes),
-                calibration, memory_per_device, speeds)
+                calibration, memory_per_device, speeds, pipelines,
+                lambda plan: pipeline_memory_and_work(model_config, plan, global_batch, length,
+                                                      whole))
 
 
 def plan_xc(config, devices: Union[int, Sequence[str]],

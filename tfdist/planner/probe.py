@@ -60,8 +60,13 @@ class Calibration:
     machine: str = ""
 
     def collective_seconds(self, kind: str, group: int, nbytes: float) -> float:
+        """`kind` over `group` devices of `nbytes` each; a "send" (a pipeline's
+        hand-off between two devices) costs what a 2-device all_gather of the
+        same bytes does: there too each device sends them once."""
         if group <= 1:
             return 0.0
+        if kind == "send":
+            kind, group = "all_gather", 2
         alpha, beta = self._nearest(self.collectives, (kind, group))
         return alpha + beta * nbytes
 

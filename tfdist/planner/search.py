@@ -45,10 +45,24 @@ class Candidate:
     batch_shares: Optional[Tuple[float, ...]] = None
     """Rows per device proportional to their speeds (`HorovodStrategy(batch_shares=...)`),
     for a pure data-parallel layout on unequal devices; else None (equal rows)."""
+    pipeline: Optional[object] = None
+    """The `PipelinePlan` of a pipeline layout (`layers:stage`), else None."""
 
     @property
     def flags(self) -> str:
-        return f"--mesh_shape='{self.mesh.shape}' --layout='{self.mesh.rules}'"
+        flags = f"--mesh_shape='{self.mesh.shape}' --layout='{self.mesh.rules}'"
+        if self.pipeline is not None:
+            flags += (f" --num_microbatches={self.pipeline.num_microbatches} "
+                      f"--pipeline_schedule={self.pipeline.schedule_name}")
+        return flags
+
+    @property
+    def description(self) -> str:
+        """The layout rules, and a pipeline's schedule and micro-batches."""
+        if self.pipeline is None:
+            return str(self.mesh.rules)
+        return (f"{self.mesh.rules} ({self.pipeline.schedule_name}, "
+                f"m={self.pipeline.num_microbatches})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +85,7 @@ class Plan:
         lines = [header, "-" * len(header)]
         for i, c in enumerate(self.ranked + self.too_big, 1):
             mark = "" if i <= len(self.ranked) else "  (does not fit)"
-            lines.append(f"{i:>2}  {str(c.mesh.shape):<16} {str(c.mesh.rules):<44} "
+            lines.append(f"{i:>2}  {str(c.mesh.shape):<16} {c.description:<44} "
                          f"{c.memory.state / 2**20:>9.2f} {c.memory.total / 2**20:>9.2f} "
                          f"{1e3 * c.step_seconds:>8.2f} {c.work.bytes_sent / 2**20:>8.2f}{mark}")
         return "\n".join(lines)
@@ -125,7 +139,8 @@ def step_seconds(work: Work, devices: int, calibration: Calibration, update_byte
 
 def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibration,
          memory_per_device: Optional[int] = None,
-         speeds: Optional[Sequence[float]] = None) -> Plan:
+         speeds: Optional[Sequence[float]] = None, pipelines: Sequence = (),
+         pipeline_of=None) -> Plan:
     """Predicts every candidate mesh and ranks those that fit.
 
     Args:
@@ -135,6 +150,8 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
         calibration: the machine's `Calibration`.
         memory_per_device: bytes a device may hold (None: no limit).
         speeds: the devices' relative speeds (unequal devices; None: equal).
+        pipelines: `PipelinePlan`s to weigh too (`tfdist.planner.pipeline`).
+        pipeline_of: `plan -> (Memory of the heaviest device, Work)`.
 
     Raises:
         NoLayoutFits: no candidate fits; the message names the least memory
@@ -156,10 +173,20 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
         candidate = Candidate(mesh, memory, work,
                               step_seconds(work, mesh.size, calibration, gradients,
                                            speed_factor(mesh, speeds)), shares)
-        if memory_per_device is None or memory.total <= memory_per_device:
-            fits.append(candidate)
-        else:
-            too_big.append(candidate)
+        (fits if memory_per_device is None or memory.total <= memory_per_device
+         else too_big).append(candidate)
+    for plan in pipelines:
+        try:
+            memory, work = pipeline_of(plan)
+        except ValueError as e:
+            invalid.append((f"{plan.mesh} ({plan.schedule_name}, m={plan.num_microbatches})",
+                            str(e)))
+            continue
+        candidate = Candidate(plan.mesh, memory, work,
+                              step_seconds(work, plan.mesh.size, calibration, memory.gradients,
+                                           speed_factor(plan.mesh, speeds)), pipeline=plan)
+        (fits if memory_per_device is None or memory.total <= memory_per_device
+         else too_big).append(candidate)
     if not fits:
         if not too_big:
             reasons = "; ".join(f"{m}: {why}" for m, why in invalid[:3])
@@ -167,7 +194,9 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
         least = min(too_big, key=lambda c: c.memory.total)
         raise NoLayoutFits(
             f"no layout fits in memory_per_device={memory_per_device:,} bytes; the least any "
-            f"takes is {least.memory.total:,} bytes per device ({least.mesh}: weights "
+            f"takes is {least.memory.total:,} bytes per device ({least.mesh}"
+            + (f", {least.pipeline.schedule_name} with {least.pipeline.num_microbatches} "
+               f"micro-batches" if least.pipeline is not None else "") + ": weights "
             f"{least.memory.weights:,}, optimizer {least.memory.optimizer:,}, gradients "
             f"{least.memory.gradients:,}, activations {least.memory.activations:,}). Give at "
             f"least that much, more devices, or a smaller batch.")

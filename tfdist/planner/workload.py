@@ -41,7 +41,7 @@ from typing import Dict, Optional, Tuple
 from tfdist.mesh import Mesh
 from tfdist.planner.inventory import Inventory
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,8 @@ class Work:
         for c in self.collectives:
             share = (c.group - 1) / c.group
             per = {"all_reduce": 2 * share * c.bytes, "all_gather": (c.group - 1) * c.bytes,
-                   "reduce_scatter": share * c.bytes, "all_to_all": share * c.bytes}[c.kind]
+                   "reduce_scatter": share * c.bytes, "all_to_all": share * c.bytes,
+                   "send": c.bytes}[c.kind]
             total += c.count * per
         return int(total)
 
@@ -138,17 +139,13 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
             colls.append(Collective("reduce_scatter", a, int(a * rows_bytes), 2 * times))
 
     x_bytes = t * d * word
-    attention_flops = 2 * t * d * h * k * 4 + 2 * 2 * b * h * length * length * k
-    ffn_flops = 2 * 2 * t * d * f
-    moe_tokens = min(1.0, c.moe_top_k * c.moe_capacity_factor / max(1, c.moe_experts)) * \
-        max(1, c.moe_experts) if c.moe_experts else 0.0  # expert slots per token
-    moe_flops = ffn_flops * moe_tokens + 2 * t * d * c.moe_experts
+    moe_tokens = _moe_slots(c)
     layers = [("encoder", i) for i in range(c.num_encoder_layers)] + \
              [("decoder", i) for i in range(c.num_decoder_layers)]
     flops = 0.0
-    for side, i in layers:
+    for j, (side, i) in enumerate(layers):
         attentions = 1 if side == "encoder" else 2
-        flops += attentions * attention_flops
+        flops += _block_flops(c, j, t, b, length)
         megatron(a_heads, x_bytes, attentions)
         if a_heads > 1:  # the key padding masks (encoder self, cross), forward only
             colls.append(Collective("all_gather", a_heads, int(t * word), 1))
@@ -156,14 +153,12 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
             colls.append(Collective("all_gather", a_heads, int(x_bytes), 1))
             colls.append(Collective("reduce_scatter", a_heads, int(a_heads * x_bytes), 1))
         if c.moe_experts and i % 2 == 1:
-            flops += moe_flops
             buffer = int(moe_tokens * t * d * word)
             if a_exp > 1:
                 colls.append(Collective("all_to_all", a_exp, buffer, 4))
             elif a_ff > 1:
                 megatron(a_ff, x_bytes)
         else:
-            flops += ffn_flops
             megatron(a_ff, x_bytes)
     flops += 2 * t * d * v  # the tied softmax
     lookups = 2
@@ -186,7 +181,28 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
     return Work(flops, tuple(colls), int(activations))
 
 
-def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> float:
+def _moe_slots(c) -> float:
+    """Expert slots per token of an MoE block (its capacity over the experts)."""
+    if not c.moe_experts:
+        return 0.0
+    return min(1.0, c.moe_top_k * c.moe_capacity_factor / c.moe_experts) * c.moe_experts
+
+
+def _block_flops(c, j: int, t: float, b: float, length: int) -> float:
+    """Forward FLOPs of block `j` of the encoder + decoder stack on t = b * length
+    tokens (a device's share; every layout computes the same)."""
+    d, f, h, k = c.d_model, c.d_ff, c.num_heads, c.d_kv
+    decoder = j >= c.num_encoder_layers
+    i = j - c.num_encoder_layers if decoder else j
+    attention = 2 * t * d * h * k * 4 + 2 * 2 * b * h * length * length * k
+    ffn = 2 * 2 * t * d * f
+    if c.moe_experts and i % 2 == 1:
+        ffn = ffn * _moe_slots(c) + 2 * t * d * c.moe_experts
+    return (2 if decoder else 1) * attention + ffn
+
+
+def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp,
+                             blocks=None, lookups: int = 2, projects: bool = True) -> float:
     """Bytes one device keeps for the backward pass (float32, no remat).
 
     Per attention: the normalized input (d) and its A-fold gathered copy,
@@ -195,6 +211,9 @@ def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> 
     Per FFN: the normalized and gathered input, the hidden units before and
     after the ReLU (F each). The softmax: the logits and their gradient (V
     each). Per token and embedding lookup: its row (d).
+
+    `blocks` (stack indices; default all), `lookups` (embedding lookups) and
+    `projects` (the softmax) select a pipeline stage's part.
     """
     d, f, h, k, v = c.d_model, c.d_ff, c.num_heads, c.d_kv, c.vocab_size
     drop = 1 if c.dropout else 0
@@ -207,11 +226,14 @@ def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp) -> 
     else:
         per_moe = per_ffn
     floats = 0.0
-    for side, count in (("encoder", c.num_encoder_layers), ("decoder", c.num_decoder_layers)):
-        for i in range(count):
-            floats += per_attention * (1 if side == "encoder" else 2)
-            floats += per_moe if c.moe_experts and i % 2 == 1 else per_ffn
-    floats += t * (2 * v + (a_vocab - 1) * d) + 2 * t * d
+    E = c.num_encoder_layers
+    for j in (range(E + c.num_decoder_layers) if blocks is None else blocks):
+        i = j - E if j >= E else j
+        floats += per_attention * (1 if j < E else 2)
+        floats += per_moe if c.moe_experts and i % 2 == 1 else per_ffn
+    if projects:
+        floats += t * (2 * v + (a_vocab - 1) * d)
+    floats += lookups * t * d
     return floats * 4
 
 
