@@ -20,8 +20,8 @@ from tfdist.planner.pipeline import (_state_after, pipeline_memory_and_work, pip
 # every other FFN, learned positions, untied embeddings.
 CONFIG = TransformerConfig(vocab_size=96, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                            num_encoder_layers=3, num_decoder_layers=3, max_length=8,
-                           moe_experts=2, positions="learned", share_embeddings=False,
-                           dropout=0.0)
+                           moe_experts=2, moe_group_size=8, positions="learned",
+                           share_embeddings=False, dropout=0.0)
 CASES = [("stage:2;data:1", CONFIG), ("stage:3;data:1", CONFIG),
          ("stage:2;data:2", dataclasses.replace(CONFIG, share_embeddings=True,
                                                 positions="sinusoidal", moe_experts=0))]
@@ -121,3 +121,28 @@ def test_a_model_too_big_for_a_device_pipelines_when_stages_fit():
                            memory_per_device=(least_pipe + least_mesh) // 2)
     assert all(c.pipeline is not None for c in fitting.ranked)
     assert "--layout='layers:stage;batch:data' --num_microbatches=" in fitting.best.flags
+
+
+def test_micro_batches_the_moe_cannot_route_are_left_out():
+    # 8 rows x 8 tokens over m micro-batches: the MoE's groups of 16 tokens need >= 2 rows.
+    config = dataclasses.replace(CONFIG, moe_group_size=16)
+    ranked = plan_layouts(config, 2, global_batch=8, length=8, calibration=_calibration(2))
+    assert sorted({c.pipeline.num_microbatches for c in ranked.ranked if c.pipeline}) == [2, 4]
+    assert [why for what, why in ranked.invalid if "m=8" in what] == [
+        "a micro-batch of 1 rows x 8 tokens routes 8 tokens, which moe_group_size=16 does "
+        "not divide (the MoE would refuse it)."] * 2
+
+
+def test_a_table_tied_across_stages_is_read_every_micro_batch():
+    # Tied embeddings over 2 stages of 1 + 1 blocks: the last stage projects with the
+    # table stage 0 holds: m reads of it and one gradient back per step; untied, the
+    # target table lives on the stage ending the encoder (0 here) too.
+    config = dataclasses.replace(CONFIG, num_encoder_layers=1, num_decoder_layers=1,
+                                 moe_experts=0, positions="sinusoidal")
+    table = config.vocab_size * config.d_model * 4
+    inventory = transformer_inventory(config, Mesh.single_device())
+    for m in (2, 4):
+        plan = PipelinePlan.from_mesh("stage:2;data:1", "layers:stage;batch:data", 2, m)
+        _, work = pipeline_memory_and_work(config, plan, 8, 8, inventory)
+        reads = [(c.bytes, c.count) for c in work.collectives if c.bytes == table]
+        assert reads == [(table, m), (table, 1)]

@@ -22,8 +22,10 @@ where `TransformerStage` puts things (tfdist/models/transformer_pipeline.py):
   compute is counted as that many slots of the slowest stage's FLOPs; between
   stages each micro-batch sends the stage's output state (the states, the
   encoder memory in the decoder, the ids still needed) forward and the float
-  tensors' gradients back, each priced as a "send" (`Calibration`: a 2-device
-  all_gather of the same bytes, where each device sends them once).
+  tensors' gradients back, and a stage using a table another stage holds (the
+  tied embedding on the last stage) reads it every micro-batch and sends its
+  gradient once; each priced as a "send" (`Calibration`: a 2-device all_gather
+  of the same bytes, where each device sends them once).
 """
 
 import re
@@ -126,6 +128,10 @@ def pipeline_memory_and_work(config, plan: PipelinePlan, batch: int, length: int
     p, m, replicas = plan.num_stages, plan.num_microbatches, plan.num_replicas
     rows = batch / replicas / m  # rows of one micro-batch on one device
     t = rows * length
+    if config.moe_experts and t % config.moe_group_size:
+        raise ValueError(f"a micro-batch of {rows:g} rows x {length} tokens routes {t:g} "
+                         f"tokens, which moe_group_size={config.moe_group_size} does not "
+                         f"divide (the MoE would refuse it).")
     E = config.num_encoder_layers
     simulation = simulate(plan.schedule())
     slots = simulation.makespan / 3.0  # in units of one forward (1) + backward (2)
@@ -148,10 +154,23 @@ def pipeline_memory_and_work(config, plan: PipelinePlan, batch: int, length: int
     worst = max(f + i for f, i in sends)
     floats = max(f for f, _ in sends)
     colls += [Collective("send", 2, worst, m), Collective("send", 2, floats, m)]
+    # A table used on stages other than its own (the tied target embedding: by the
+    # stage embedding the decoder's input and by the projecting last stage; learned
+    # positions) is read there every micro-batch and gets their gradient once per step.
+    holding = {j: k for k in range(p) for j in plan.layers_of(k)}
+    table = config.vocab_size * config.d_model * 4
+    owner = 0 if config.share_embeddings else holding[E - 1]
+    users = {p - 1, holding[E - 1]} | ({0} if config.share_embeddings else set())
+    shared = [(table, users - {owner})]
+    if config.positions == "learned":
+        shared.append((config.max_length * config.d_model * 4, {holding[E - 1]} - {0}))
+    for nbytes, readers in shared:
+        for _ in readers:
+            colls += [Collective("send", 2, nbytes, m), Collective("send", 2, nbytes, 1)]
     if replicas > 1:  # the stage's weights read by the other replicas, their gradients back
-        owner = max(range(p), key=lambda s: state[s][0])
-        colls += [Collective("send", 2, state[owner][0], m * (replicas - 1)),
-                  Collective("send", 2, state[owner][2], replicas - 1)]
+        heaviest_stage = max(range(p), key=lambda s: state[s][0])
+        colls += [Collective("send", 2, state[heaviest_stage][0], m * (replicas - 1)),
+                  Collective("send", 2, state[heaviest_stage][2], replicas - 1)]
     work = Work(flops=slots * max(stage_flops), collectives=tuple(colls),
                 activations=max(mem.activations for mem in memories))
     heaviest = max(memories, key=lambda mem: mem.total)

@@ -140,6 +140,11 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
 
     x_bytes = t * d * word
     moe_tokens = _moe_slots(c)
+    routed = t * (a_ff if a_ff > 1 and a_exp == 1 else 1)  # an MoE gathers over d_ff's axis
+    if c.moe_experts and routed % c.moe_group_size:
+        raise ValueError(f"each device routes {routed:g} tokens through the MoE, which "
+                         f"moe_group_size={c.moe_group_size} does not divide (the MoE would "
+                         f"refuse it).")
     layers = [("encoder", i) for i in range(c.num_encoder_layers)] + \
              [("decoder", i) for i in range(c.num_decoder_layers)]
     flops = 0.0
