@@ -30,7 +30,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
-from flag_utils import (cluster_from_flags, define_checkpoint_flags,  # noqa: E402
+from flag_utils import (define_checkpoint_flags,  # noqa: E402
                         define_cluster_flags, define_plan_flags, devices_from_flags,
                         devices_to_plan, parse_bytes, run, strategy_from_flags,
                         validate_mesh_flags)

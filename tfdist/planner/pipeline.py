@@ -35,8 +35,7 @@ from tfdist.pipeline.layout import PipelinePlan
 from tfdist.pipeline.schedule import simulate
 from tfdist.planner.inventory import Inventory
 from tfdist.planner.memory import Memory
-from tfdist.planner.workload import (Collective, Work, _block_flops, _transformer_activations,
-                                     gradient_collectives)
+from tfdist.planner.workload import Collective, Work, _block_flops, _transformer_activations
 
 SCHEDULES = ("1f1b", "gpipe")
 

@@ -123,7 +123,7 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
     n = mesh.size
     t = batch * length / n
     b = batch / n
-    d, f, h, k, v = c.d_model, c.d_ff, c.num_heads, c.d_kv, c.vocab_size
+    d, v = c.d_model, c.vocab_size
     word = 4
 
     def split(logical):
