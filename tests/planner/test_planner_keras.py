@@ -71,13 +71,16 @@ def language_model(cls, config):
 # Adam turns float reordering on small gradients into weight noise: TF's own
 # MirroredStrategy on the same 4 devices leaves Qwen3's weights 2.0e-5 from one
 # device after these 10 steps (gradients 5.2e-7), as Llama's (tests/distribution).
-RTOL = {"mistral": 1e-5, "qwen3": 3e-5}
+RTOL = {"mistral": 1e-5, "qwen3": 3e-5, "gemma3": 1e-5, "phi3": 1e-5}
 
 # Backbones keras-hub has no layout map for.
 NO_MAP = {
     "mistral": (keras_hub.models.MistralBackbone, dict(intermediate_dim=32, **ATTENTION)),
     "qwen3": (keras_hub.models.Qwen3Backbone, dict(intermediate_dim=32, head_dim=4,
                                                    **ATTENTION)),
+    "gemma3": (keras_hub.models.Gemma3Backbone, dict(image_size=None, intermediate_dim=32,
+                                                     head_dim=4, **ATTENTION)),
+    "phi3": (keras_hub.models.Phi3Backbone, dict(intermediate_dim=32, **ATTENTION)),
 }
 
 
