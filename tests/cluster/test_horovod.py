@@ -134,6 +134,26 @@ def test_adasum_without_mpi_is_a_clear_error():
         HorovodStrategy(reduction="adasum")
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(mesh_shape="data:1;model:2", layout="batch:data;d_ff:model"),
+     "this strategy has mesh data:1;model:2 with layout batch:data;d_ff:model."),
+    ("layout_map", "a layout_map over data:1;model:2"),
+])
+def test_batch_shares_with_a_split_layout_is_refused_before_horovod_starts(kwargs, named):
+    import keras
+
+    from tfdist.strategies.horovod import HorovodStrategy
+
+    if kwargs == "layout_map":
+        mesh = keras.distribution.DeviceMesh((1, 2), ("data", "model"), ["cpu:0", "cpu:1"])
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["dense/kernel"] = (None, "model")
+        kwargs = dict(layout_map=layout_map, batch_dim_name="data")
+    with pytest.raises(ValueError, match="batch_shares needs pure data parallelism") as caught:
+        HorovodStrategy(batch_shares=[1, 3], **kwargs)
+    assert named in str(caught.value)
+
+
 MESH_JOB = os.path.join(ROOT, "tests", "jobs", "hvd_mesh_job.py")
 
 

@@ -133,6 +133,13 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                     f"ranks); received mesh_shape={mesh_shape!r}, layout={layout!r}.")
             KerasLayouts(None, MeshShape.parse("data:1"), "data", zero_stage=zero_stage)  # checked
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
+        if batch_shares is not None and (keras_layouts is not None or
+                                         (mesh is not None and not mesh.splits_only_batch)):
+            raise ValueError(
+                f"batch_shares needs pure data parallelism (layers that exchange activations "
+                f"need every rank to hold the same rows); this strategy has "
+                + (f"a layout_map over {mesh_shape}" if keras_layouts is not None else
+                   str(mesh)) + ". Drop batch_shares or the model axes.")
         # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
         if mesh is None:
