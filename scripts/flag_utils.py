@@ -93,6 +93,19 @@ def devices_to_plan() -> int:
     return devices
 
 
+def use_plan(ranked, script: str) -> None:
+    """Prints the planner's table and sets the flags to its pick (`--layout=auto`):
+    --mesh_shape, --layout, and a pipeline's --num_microbatches and --pipeline_schedule."""
+    FLAGS = flags.FLAGS
+    print(ranked.table(), flush=True)
+    best = ranked.best
+    FLAGS.mesh_shape, FLAGS.layout = str(best.mesh.shape), str(best.mesh.rules)
+    if best.pipeline is not None:
+        FLAGS.num_microbatches = best.pipeline.num_microbatches
+        FLAGS.pipeline_schedule = best.pipeline.schedule_name
+    print(f"{script}: --layout=auto chose {best.flags}", flush=True)
+
+
 def define_cluster_flags() -> None:
     """--strategy, --communication, --worker_hosts, --task_index, --devices_per_worker."""
     flags.DEFINE_enum("strategy", "mesh", ["mesh", "multi_worker", "horovod"],

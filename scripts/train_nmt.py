@@ -33,7 +33,7 @@ from tfdist.config import MeshConfig, NMTConfig, TransformerConfig  # noqa: E402
 from flag_utils import (define_checkpoint_flags,  # noqa: E402
                         define_cluster_flags, define_plan_flags, devices_from_flags,
                         devices_to_plan, parse_bytes, run, strategy_from_flags,
-                        validate_mesh_flags)
+                        use_plan, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -170,14 +170,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
         if FLAGS.layout == "auto":
-            ranked = plan_from_flags()
-            print(ranked.table(), flush=True)
-            best = ranked.best
-            FLAGS.mesh_shape, FLAGS.layout = str(best.mesh.shape), str(best.mesh.rules)
-            if best.pipeline is not None:
-                FLAGS.num_microbatches = best.pipeline.num_microbatches
-                FLAGS.pipeline_schedule = best.pipeline.schedule_name
-            print(f"train_nmt: --layout=auto chose {best.flags}", flush=True)
+            use_plan(plan_from_flags(), "train_nmt")
         config = config_from_flags()
         mesh = config.mesh.mesh()
         plan = config.pipeline_plan()

@@ -24,7 +24,7 @@ from absl import logging as absl_logging  # noqa: E402
 from tfdist.config import MeshConfig, XCConfig  # noqa: E402
 from flag_utils import (define_checkpoint_flags, define_cluster_flags,  # noqa: E402
                         define_plan_flags, devices_to_plan, parse_bytes, run,
-                        strategy_from_flags, validate_mesh_flags)
+                        strategy_from_flags, use_plan, validate_mesh_flags)
 
 FLAGS = flags.FLAGS
 
@@ -84,10 +84,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
         if FLAGS.layout == "auto":
-            ranked = plan_from_flags()
-            print(ranked.table(), flush=True)
-            FLAGS.mesh_shape, FLAGS.layout = str(ranked.best.mesh.shape), str(ranked.best.mesh.rules)
-            print(f"train_xc: --layout=auto chose {ranked.best.flags}", flush=True)
+            use_plan(plan_from_flags(), "train_xc")
         config = config_from_flags()
     except ValueError as e:
         raise app.UsageError(str(e)) from None

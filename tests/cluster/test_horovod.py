@@ -138,6 +138,7 @@ def test_adasum_without_mpi_is_a_clear_error():
     (dict(mesh_shape="data:1;model:2", layout="batch:data;d_ff:model"),
      "this strategy has mesh data:1;model:2 with layout batch:data;d_ff:model."),
     ("layout_map", "a layout_map over data:1;model:2"),
+    (dict(zero_stage=1), "this strategy has zero_stage=1."),
 ])
 def test_batch_shares_with_a_split_layout_is_refused_before_horovod_starts(kwargs, named):
     import keras

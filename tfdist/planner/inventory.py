@@ -23,7 +23,8 @@ from typing import Optional, Sequence, Tuple
 class Entry:
     """One variable: `path`, global `shape`, `itemsize` bytes per element,
     logical `axes` (one per dimension, None = never split), whether it is
-    `trainable`, and whether a split may pad it (`may_pad`)."""
+    `trainable`, whether a split may pad it (`may_pad`), and for an optimizer
+    slot the path of the `weight` it mirrors (None for weights and counters)."""
 
     path: str
     shape: Tuple[int, ...]
@@ -31,6 +32,7 @@ class Entry:
     axes: Tuple[Optional[str], ...]
     trainable: bool = True
     may_pad: bool = False
+    weight: Optional[str] = None
 
     @property
     def bytes(self) -> int:
@@ -134,7 +136,8 @@ def _optimizer_entries(optimizer, weights: Sequence[Entry]) -> Tuple[Entry, ...]
                 f"shape than its weight {weight.path!r}; the planner counts optimizers whose "
                 f"slots mirror their weights (Adam, AdamW, SGD, RMSprop, Adagrad, Lion, ...).")
         out.append(Entry(f"{optimizer.name}/{_flat(weight.path)}{name[len(_flat(weight.path)):]}",
-                         weight.shape, _itemsize(v.dtype), weight.axes, False, weight.may_pad))
+                         weight.shape, _itemsize(v.dtype), weight.axes, False, weight.may_pad,
+                         weight.path))
     return tuple(out)
 
 

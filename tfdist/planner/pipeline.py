@@ -61,11 +61,14 @@ def pipeline_plans(num_layers: int, num_devices: int, global_batch: int,
     return out
 
 
-def _virtual_stage(path: str, config, plan: PipelinePlan) -> int:
+def _holding(plan: PipelinePlan) -> dict:
+    """`{stack index: virtual stage that runs it}`."""
+    return {j: k for k in range(plan.num_stages * plan.num_chunks) for j in plan.layers_of(k)}
+
+
+def _virtual_stage(path: str, config, holding: dict) -> int:
     """The virtual stage that holds the Transformer weight at `path`."""
     E = config.num_encoder_layers
-    last = plan.num_stages * plan.num_chunks - 1
-    holding = {j: k for k in range(last + 1) for j in plan.layers_of(k)}
     name = path.split("/", 1)[1] if path.startswith("transformer/") else path
     block = re.match(r"(encoder|decoder)_(\d+)/", name)
     if block:
@@ -78,33 +81,24 @@ def _virtual_stage(path: str, config, plan: PipelinePlan) -> int:
     if top == "encoder_norm":
         return holding[E - 1]
     if top == "decoder_norm":
-        return last
+        return max(holding.values())
     raise ValueError(f"tfdist.planner: no pipeline stage known for weight {path!r}.")
-
-
-def _slot_owner(entry_path: str, weights) -> Optional[str]:
-    """The weight path an optimizer variable is named after (Keras names a slot
-    `<optimizer>/<weight path with '_'>_<slot>`), or None (iteration, rate)."""
-    flat = entry_path.split("/", 1)[-1]
-    found = [w.path for w in weights if flat.startswith(w.path.replace("/", "_") + "_")]
-    return max(found, key=len) if found else None
 
 
 def stage_state_bytes(inventory: Inventory, config,
                       plan: PipelinePlan) -> List[Tuple[int, int, int]]:
     """`(weights, optimizer, gradients)` bytes on each stage's replica-0 device, in
     stage order (the other replicas' devices hold none of them)."""
-    p = plan.num_stages
+    p, holding = plan.num_stages, _holding(plan)
     out = [[0, 0, 0] for _ in range(p)]
     device = {}
     for w in inventory.weights:
-        device[w.path] = _virtual_stage(w.path, config, plan) % p
+        device[w.path] = _virtual_stage(w.path, config, holding) % p
         out[device[w.path]][0] += w.bytes
         if w.trainable:
             out[device[w.path]][2] += w.bytes
-    for o in inventory.optimizer:
-        owner = _slot_owner(o.path, inventory.weights)
-        out[device[owner] if owner else 0][1] += o.bytes
+    for o in inventory.optimizer:  # a slot beside its weight; the counters on device 0
+        out[device[o.weight] if o.weight else 0][1] += o.bytes
     return [tuple(x) for x in out]
 
 
@@ -156,7 +150,7 @@ def pipeline_memory_and_work(config, plan: PipelinePlan, batch: int, length: int
     # A table used on stages other than its own (the tied target embedding: by the
     # stage embedding the decoder's input and by the projecting last stage; learned
     # positions) is read there every micro-batch and gets their gradient once per step.
-    holding = {j: k for k in range(p) for j in plan.layers_of(k)}
+    holding = _holding(plan)
     table = config.vocab_size * config.d_model * 4
     owner = 0 if config.share_embeddings else holding[E - 1]
     users = {p - 1, holding[E - 1]} | ({0} if config.share_embeddings else set())

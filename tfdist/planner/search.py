@@ -158,6 +158,14 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
             per device that would, and its layout.
     """
     fits, too_big, invalid = [], [], []
+
+    def weigh(mesh, memory, work, **extra):
+        candidate = Candidate(mesh, memory, work,
+                              step_seconds(work, mesh.size, calibration, memory.gradients,
+                                           speed_factor(mesh, speeds)), **extra)
+        fit = memory_per_device is None or memory.total <= memory_per_device
+        (fits if fit else too_big).append(candidate)
+
     for mesh in candidates:
         try:
             inventory = inventory_of(mesh)
@@ -166,15 +174,11 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
         except ValueError as e:
             invalid.append((str(mesh), str(e)))
             continue
-        memory = Memory(weights, optimizer, gradients, work.activations)
         shares = None
         if speeds and mesh.splits_only_batch:
             shares = tuple(s / sum(speeds) for s in speeds)
-        candidate = Candidate(mesh, memory, work,
-                              step_seconds(work, mesh.size, calibration, gradients,
-                                           speed_factor(mesh, speeds)), shares)
-        (fits if memory_per_device is None or memory.total <= memory_per_device
-         else too_big).append(candidate)
+        weigh(mesh, Memory(weights, optimizer, gradients, work.activations), work,
+              batch_shares=shares)
     for plan in pipelines:
         try:
             memory, work = pipeline_of(plan)
@@ -182,11 +186,7 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
             invalid.append((f"{plan.mesh} ({plan.schedule_name}, m={plan.num_microbatches})",
                             str(e)))
             continue
-        candidate = Candidate(plan.mesh, memory, work,
-                              step_seconds(work, plan.mesh.size, calibration, memory.gradients,
-                                           speed_factor(plan.mesh, speeds)), pipeline=plan)
-        (fits if memory_per_device is None or memory.total <= memory_per_device
-         else too_big).append(candidate)
+        weigh(plan.mesh, memory, work, pipeline=plan)
     if not fits:
         if not too_big:
             reasons = "; ".join(f"{m}: {why}" for m, why in invalid[:3])

@@ -133,13 +133,14 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
                     f"ranks); received mesh_shape={mesh_shape!r}, layout={layout!r}.")
             KerasLayouts(None, MeshShape.parse("data:1"), "data", zero_stage=zero_stage)  # checked
         mesh = None if mesh_shape is None else Mesh.parse(mesh_shape, layout)  # checked first
-        if batch_shares is not None and (keras_layouts is not None or
+        if batch_shares is not None and (keras_layouts is not None or zero_stage or
                                          (mesh is not None and not mesh.splits_only_batch)):
             raise ValueError(
                 f"batch_shares needs pure data parallelism (layers that exchange activations "
                 f"need every rank to hold the same rows); this strategy has "
                 + (f"a layout_map over {mesh_shape}" if keras_layouts is not None else
-                   str(mesh)) + ". Drop batch_shares or the model axes.")
+                   f"zero_stage={zero_stage}" if mesh is None else str(mesh))
+                + ". Drop batch_shares or the model axes.")
         # A lost peer fails Gloo's connect/collective waits after this many seconds, not never.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
         if mesh is None:
@@ -160,12 +161,7 @@ class HorovodStrategy(MeshRuntime, tf.distribute.Strategy):
         self.hvd = hvd
         self.mesh = mesh
         self._backend = backend
-        if batch_shares is not None:
-            if self.collective_weight_reads or keras_layouts is not None:
-                raise ValueError(
-                    f"batch_shares needs pure data parallelism (layers that exchange "
-                    f"activations need every rank to hold the same rows); this strategy has "
-                    f"mesh {mesh} and {'a layout_map' if keras_layouts else 'no layout_map'}.")
+        if batch_shares is not None:  # pure data parallelism: checked before Horovod started
             self.extended.enable_batch_shares()
             self.set_batch_shares([1.0] * hvd.size() if batch_shares == "equal"
                                   else batch_shares)
