@@ -167,6 +167,9 @@ class TransformerConfig:
     # Recomputation in the backward pass (`tfdist.remat`), Megatron's granularities:
     # "full" recomputes each block from its input, "selective" the attention core.
     remat: str = "none"
+    # Attention over a sequence the layout splits (`length:<axis>`): "ring" (key/value
+    # blocks travel around the axis) or "ulysses" (all-to-all to split heads).
+    sequence_method: str = "ring"
 
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
@@ -204,6 +207,9 @@ class TransformerConfig:
         if self.remat not in self.REMAT:
             raise ValueError(f"remat must be one of {list(self.REMAT)}; received "
                              f"remat={self.remat!r}.")
+        if self.sequence_method not in ("ring", "ulysses"):
+            raise ValueError(f"sequence_method must be 'ring' or 'ulysses'; received "
+                             f"sequence_method={self.sequence_method!r}.")
         for name in ("share_embeddings", "moe_dropless"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; received "
@@ -286,6 +292,32 @@ class NMTConfig:
             mesh, None, model.num_encoder_layers + model.num_decoder_layers,
             self.num_microbatches, self.pipeline_schedule, self.pipeline_chunks)
 
+    def sequence_split(self) -> int:
+        """Devices the layout splits `length` over (1: none), checked: sequences are then
+        padded to `max_length` (one static length: ring and Ulysses attention blocks
+        are sized when traced), which zig-zag chunks must divide; attention dropout
+        is refused over a split sequence."""
+        mesh = self.mesh.mesh()
+        axis = mesh.mesh_axis("length")
+        parts = mesh.axis_size(axis) if axis is not None else 1
+        if parts == 1:
+            return 1
+        model = self.model or TransformerConfig(vocab_size=self.vocab_size)
+        if model.max_length % (2 * parts):
+            raise ValueError(
+                f"max_length={model.max_length} does not split into 2 x {parts} zig-zag chunks "
+                f"over mesh axis {axis!r} (the layout's length:{axis}); use a multiple of "
+                f"{2 * parts}.")
+        if model.dropout:
+            raise ValueError(
+                f"dropout={model.dropout}: attention dropout over a sequence split on mesh axis "
+                f"{axis!r} is not supported (one device's masks cannot be reproduced block by "
+                f"block); use dropout=0 with length:{axis}.")
+        if self.pipeline_plan() is not None:
+            raise ValueError(f"A pipeline (layers on a stage axis) with length on {axis!r} is "
+                             f"not supported; map one or the other.")
+        return parts
+
     def validate(self) -> "NMTConfig":
         self.mesh.validate()
         (self.model or TransformerConfig(vocab_size=self.vocab_size)).validate()
@@ -303,6 +335,7 @@ class NMTConfig:
                     f"{name}={size} does not divide by the {shards} devices of mesh axis "
                     f"{mesh.mesh_axis(logical)!r} that the layout splits {logical!r} over; use a "
                     f"multiple of {shards}.")
+        self.sequence_split()
         if self.eval_every > self.steps:
             raise ValueError(f"eval_every={self.eval_every} exceeds steps={self.steps}.")
         if self.corpus not in self.CORPORA:

@@ -34,7 +34,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfdist import collectives, runtime
+from tfdist import collectives, runtime, sequence
 from tfdist.layers import ShardedEmbedding
 from tfdist.layers.attention import padding_bias
 from tfdist.layers.sharded_softmax import class_axis, sharded_cross_entropy
@@ -148,8 +148,13 @@ class Transformer(keras.Model):
 
     def _embed(self, embedding, ids, start=0, training=None):
         x = embedding(ids) * (self.model_config.d_model ** 0.5)
-        length = tf.shape(ids)[1]
-        x = x + tf.cast(self.position_table, x.dtype)[start:start + length][None]
+        table = tf.cast(self.position_table, x.dtype)
+        if sequence.length_axis() is not None:  # this device's tokens: their global positions
+            positions = sequence.token_positions(ids.shape[1])
+            x = x + gather_rows_dense_gradient(table, positions)[None]
+        else:
+            length = tf.shape(ids)[1]
+            x = x + table[start:start + length][None]
         return self.drop(x, training=training)
 
     def encode(self, source_ids, training=None):
@@ -309,6 +314,23 @@ class SequenceCrossentropy(keras.losses.Loss):
     def get_config(self):
         return {"name": self.name, "vocab_size": self.vocab_size,
                 "label_smoothing": self.label_smoothing}
+
+
+@tf.custom_gradient
+def gather_rows_dense_gradient(table, positions):
+    """`tf.gather(table, positions)` whose gradient is a dense `[rows, d]` tensor.
+
+    A sequence-split device reads its tokens' rows of the position table; one
+    device slices the table, whose gradient is dense. `tf.gather`'s would be
+    `IndexedSlices`, one row per position per replica once summed, and Keras's
+    Adam squares `IndexedSlices` values before adding duplicate rows: its
+    second moment would differ from one device's. A dense gradient adds first.
+    """
+    def gradient(upstream):
+        rows = tf.shape(table, out_type=positions.dtype)[0]
+        return tf.math.unsorted_segment_sum(upstream, positions, rows), None
+
+    return tf.gather(table, positions), gradient
 
 
 @keras.saving.register_keras_serializable(package="tfdist")

@@ -85,12 +85,15 @@ class _Block(keras.layers.Layer):
         self.self_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="self_norm")
         core = c.remat == "selective"
         self.self_attention = ShardedAttention(c.num_heads, c.d_kv, dropout=c.dropout,
-                                               remat_core=core, name="self_attention")
+                                               remat_core=core, sequence_method=c.sequence_method,
+                                               name="self_attention")
         self.cross_norm = self.cross_attention = None
         if cross:
             self.cross_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="cross_norm")
             self.cross_attention = ShardedAttention(c.num_heads, c.d_kv, dropout=c.dropout,
-                                                    remat_core=core, name="cross_attention")
+                                                    remat_core=core,
+                                                    sequence_method=c.sequence_method,
+                                                    name="cross_attention")
         self.ffn_norm = keras.layers.LayerNormalization(epsilon=1e-6, name="ffn_norm")
         self.ffn = _feed_forward(c, index, "ffn", causal=cross)  # decoder blocks: causal
         self.drop = keras.layers.Dropout(c.dropout)

@@ -11,6 +11,9 @@
 - weights and optimizer variables after `steps` steps of `fit` on the same
   global batches.
 
+A strategy whose layout splits `length` gets the batches rewritten by
+`tfdist.sequence.split_sequences` (every device its tokens of the same rows).
+
 `assert_equivalent` asserts all of them are within `rtol`.
 """
 
@@ -82,9 +85,28 @@ def _per_device(strategy, value):
     return gather(local) if gather is not None else local
 
 
+def _length_split(strategy):
+    """The strategy's mesh if its layout splits `length` (batches must then be
+    rewritten so that every device gets its tokens), else None."""
+    from tfdist.sequence.split import sequence_axis
+
+    mesh = getattr(strategy, "mesh", None)
+    return mesh if mesh is not None and sequence_axis(mesh) is not None else None
+
+
+def _batches(strategy, x, y, batch_size):
+    """Global batches of `(x, y)`, each rewritten for a length split."""
+    from tfdist.sequence import split_sequences
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    return split_sequences(dataset, _length_split(strategy))
+
+
 def _global_gradients(strategy, model, loss_fn, x, y):
     """Loss and global gradients of one global batch, computed on `strategy`."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(y))
+    if _length_split(strategy) is not None:
+        dataset = _batches(strategy, x, y, len(y))
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
     variables = model.trainable_variables
     n = strategy.num_replicas_in_sync
@@ -264,7 +286,12 @@ def compare_with_reference(
     with strategy.scope():
         model.compile(optimizer=optimizer(), loss=loss)
     n = steps * batch_size
-    model.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    if _length_split(strategy) is not None:  # every device its tokens of the same rows
+        model.fit(_batches(strategy, _rows(x, n), _rows(y, n), batch_size), epochs=1,
+                  verbose=0)
+    else:
+        model.fit(_rows(x, n), _rows(y, n), batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
     _same_length("weights", model.get_weights(), ref.weights)
     _same_length("optimizer variables", model.optimizer.variables, ref.optimizer_variables)
     weights = max(max_rel_diff(a, b) for a, b in zip(model.get_weights(), ref.weights))
