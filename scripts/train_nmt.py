@@ -64,6 +64,10 @@ def define_flags():
     flags.DEFINE_enum("remat", model.remat, list(TransformerConfig.REMAT),
                       "Recompute in the backward pass: each block (full) or the "
                       "attention cores (selective).")
+    flags.DEFINE_enum("sequence_method", model.sequence_method, ["ring", "ulysses"],
+                      "Attention over a sequence the layout splits (length:<axis>): ring "
+                      "(key/value blocks travel around the axis) or ulysses (all-to-all to "
+                      "split heads).")
     flags.DEFINE_enum("positions", model.positions, ["sinusoidal", "learned"], "Positions.")
     flags.DEFINE_boolean("share_embeddings", model.share_embeddings,
                          "One embedding for source and target.")
@@ -102,7 +106,8 @@ def model_config_from_flags(vocab_size=None) -> TransformerConfig:
         share_embeddings=FLAGS.share_embeddings, moe_experts=FLAGS.moe_experts,
         moe_top_k=FLAGS.moe_top_k, moe_group_size=FLAGS.moe_group_size,
         moe_routing=FLAGS.moe_routing, moe_dropless=FLAGS.moe_dropless,
-        moe_shared_d_ff=FLAGS.moe_shared_d_ff, remat=FLAGS.remat)
+        moe_shared_d_ff=FLAGS.moe_shared_d_ff, remat=FLAGS.remat,
+        sequence_method=FLAGS.sequence_method)
 
 
 def config_from_flags() -> NMTConfig:
@@ -214,10 +219,18 @@ def main(argv):
         # MoE groups must divide each replica's tokens: 8 rows x a multiple of 8 positions.
         multiple = replicas * (8 if model_config.moe_experts else 1)
         # Length buckets of 8 positions on every mesh: the collectives take one key per
-        # bucket shape (tfdist.comm.shape_keys).
+        # bucket shape (tfdist.comm.shape_keys). A sequence split pads every batch to
+        # max_length (its attention is sized when traced) and gives each device its
+        # tokens of the batch's rows.
+        split = config.sequence_split() > 1
         dataset = nmt.make_dataset(train_pairs, tokenizer, config.max_tokens,
                                    batch_multiple=multiple, max_length=model_config.max_length,
-                                   bucket_width=8, seed=config.seed, repeat=True)
+                                   bucket_width=model_config.max_length if split else 8,
+                                   seed=config.seed, repeat=True)
+        if split:
+            from tfdist.sequence import split_sequences
+
+            dataset = split_sequences(dataset, mesh)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     if chief:

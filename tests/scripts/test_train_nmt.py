@@ -81,6 +81,23 @@ def test_a_pipelined_transformer_trains_and_translates(run_script, tmp_path):
     assert len(out.stdout.splitlines()) == 1
 
 
+@pytest.mark.slow
+def test_a_sequence_split_transformer_trains_and_translates(run_script, tmp_path):
+    """`length:seq`: source and target split over 2 devices (ring attention),
+    batches padded to --max_length; BLEU decodes whole sequences with the
+    global weights."""
+    model_dir = tmp_path / "run"
+    result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:2;seq:2",
+                        "--layout=batch:data;length:seq", "--dropout=0", "--steps=4",
+                        "--eval_every=4", f"--model_dir={model_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not result.stderr.strip(), result.stderr[-3000:]
+    assert "(4 replicas)" in result.stdout
+    losses = [float(x) for x in re.findall(r"loss: ([\d.]+)", result.stdout)]
+    assert losses and all(x == x for x in losses), result.stdout[-2000:]
+    assert "final held-out BLEU" in result.stdout
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--num_heads=3"], "num_heads=3 does not divide by the 2 devices of mesh axis 'model'"),
     (["--corpus=numbers-xx"], "corpus must be one of ['numbers-de', 'numbers-fr']"),
@@ -95,6 +112,10 @@ def test_a_pipelined_transformer_trains_and_translates(run_script, tmp_path):
     (["--num_microbatches=2"], "num_microbatches=2 and pipeline_chunks=1 need a stage axis"),
     (["--mesh_shape=stage:3", "--layout=layers:stage"],
      "num_layers=4 does not split over mesh axis stage:3"),
+    (["--mesh_shape=seq:2", "--layout=length:seq", "--dropout=0.1"],
+     "dropout=0.1: attention dropout over a sequence split on mesh axis 'seq'"),
+    (["--mesh_shape=seq:4", "--layout=length:seq", "--dropout=0", "--max_length=20"],
+     "max_length=20 does not split into 2 x 4 zig-zag chunks"),
 ])
 def test_bad_flags_give_one_clear_error(run_script, flags, fragment, assert_one_line_error):
     result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:1;model:2", "--steps=2",
