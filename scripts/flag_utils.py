@@ -95,7 +95,8 @@ def devices_to_plan() -> int:
 
 def use_plan(ranked, script: str) -> None:
     """Prints the planner's table and sets the flags to its pick (`--layout=auto`):
-    --mesh_shape, --layout, and a pipeline's --num_microbatches and --pipeline_schedule."""
+    --mesh_shape, --layout, a pipeline's --num_microbatches and --pipeline_schedule, a
+    split sequence's --sequence_method."""
     FLAGS = flags.FLAGS
     print(ranked.table(), flush=True)
     best = ranked.best
@@ -103,6 +104,8 @@ def use_plan(ranked, script: str) -> None:
     if best.pipeline is not None:
         FLAGS.num_microbatches = best.pipeline.num_microbatches
         FLAGS.pipeline_schedule = best.pipeline.schedule_name
+    if best.sequence_method is not None:
+        FLAGS.sequence_method = best.sequence_method
     print(f"{script}: --layout=auto chose {best.flags}", flush=True)
 
 

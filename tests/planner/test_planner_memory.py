@@ -24,6 +24,9 @@ CASES = [
     ("data:1;model:4", "batch:data;heads:model;d_ff:model;experts:model", CONFIG),
     ("data:2;model:4", "batch:data;d_ff:model;vocab:model;experts:model",
      dataclasses.replace(CONFIG, vocab_size=256, share_embeddings=False)),
+    # a split sequence: the learned positions and every weight as the rest of the mesh lays it
+    ("data:1;seq:2;model:2", "batch:data;length:seq;heads:model;d_ff:model",
+     dataclasses.replace(CONFIG, moe_experts=0, positions="learned")),
 ]
 
 

@@ -1,11 +1,15 @@
 """The planner's candidates, cost model, ranking, memory errors and calibration cache."""
 
+import dataclasses
 import json
 
 import pytest
 
+from tfdist.config import TransformerConfig
 from tfdist.mesh import Mesh
-from tfdist.planner import Calibration, Entry, Inventory, NoLayoutFits, meshes, rank
+from tfdist.planner import (Calibration, Entry, Inventory, NoLayoutFits, meshes, rank,
+                            sequence_meshes)
+from tfdist.planner import plan as tfdist_plan
 from tfdist.planner.probe import cache_path
 from tfdist.planner.search import step_seconds
 from tfdist.planner.workload import Collective, Work, gradient_collectives
@@ -128,3 +132,58 @@ def test_unequal_devices_favour_data_parallelism_split_by_speed():
                 speeds=[1.0, 1.0, 1.0, 0.1])
     assert str(slow.best.mesh.shape) == "data:4;model:1"
     assert slow.best.batch_shares == pytest.approx((1 / 3.1, 1 / 3.1, 1 / 3.1, 0.1 / 3.1))
+
+
+def test_sequence_candidates_put_length_on_a_seq_axis_beside_every_data_by_model_mesh():
+    got = [(str(m.shape), str(m.rules), method)
+           for m, method in sequence_meshes(("d_model", "heads"), 4, methods=("ring",))]
+    assert got == [("data:2;seq:2;model:1", "batch:data;length:seq", "ring"),
+                   ("data:1;seq:2;model:2", "batch:data;heads:model;length:seq", "ring"),
+                   ("data:1;seq:4;model:1", "batch:data;length:seq", "ring")]
+
+
+def test_long_sequences_that_do_not_fit_whole_plan_a_sequence_split():
+    """A Transformer at 2048 tokens, 4 rows over 4 devices: attention scores kept whole
+    ([b, H, L, L]) do not fit; the plan splits the length (ring or Ulysses), its flags
+    name the attention. With 2 rows only the splits that leave 2 row-holders are valid."""
+    config = TransformerConfig(vocab_size=256, d_model=64, num_heads=4, d_kv=16, d_ff=128,
+                               num_encoder_layers=1, num_decoder_layers=1, max_length=2048,
+                               dropout=0.0)
+    plan = tfdist_plan(config, 4, global_batch=4, length=2048, memory_per_device=96 << 20,
+                       calibration=calibration(), pipeline=False)
+    assert plan.ranked and all(c.sequence_method in ("ring", "ulysses") for c in plan.ranked)
+    assert plan.best.mesh.mesh_axis("length") == "seq"
+    assert f"--sequence_method={plan.best.sequence_method}" in plan.best.flags
+    assert f"({plan.best.sequence_method})" in plan.table()
+    whole = [c for c in plan.too_big if c.sequence_method is None]
+    assert len(whole) == 15  # data:4, and heads, d_ff, vocab combined on model:2 and model:4
+    # the blockwise kernel keeps no scores: a split sequence's activations are far smaller
+    assert max(c.memory.activations for c in plan.ranked) * 4 < \
+        min(c.memory.activations for c in whole)
+    two_rows = tfdist_plan(config, 4, global_batch=2, length=2048, calibration=calibration(),
+                           pipeline=False)
+    assert {str(c.mesh.shape) for c in two_rows.ranked} == {"data:2;seq:2;model:1",
+                                                            "data:1;seq:2;model:2",
+                                                            "data:1;seq:4;model:1"}
+    reasons = dict(two_rows.invalid)
+    assert "global_batch=2 does not divide over the 4 devices" in reasons[
+        "mesh data:4;model:1 with layout batch:data"]
+
+
+def test_sequence_splits_that_cannot_run_are_left_out_with_the_reason():
+    config = TransformerConfig(vocab_size=256, d_model=32, num_heads=2, d_kv=8, d_ff=64,
+                               num_encoder_layers=1, num_decoder_layers=1, max_length=20,
+                               dropout=0.0)
+    plan = tfdist_plan(config, 4, global_batch=4, length=20, calibration=calibration(),
+                       pipeline=False)
+    reasons = dict(plan.invalid)
+    # 20 tokens make 2 x 2 chunks, not 2 x 4; 2 heads do not split over Ulysses' 4
+    assert "does not split into 2 x 4 zig-zag chunks" in reasons[
+        "mesh data:1;seq:4;model:1 with layout batch:data;length:seq (ring)"]
+    assert any("data:1;seq:2;model:2" in m and "ulysses" in m and "does not divide" in why
+               for m, why in plan.invalid)
+    assert any(c.sequence_method == "ulysses" for c in plan.ranked)  # data:2;seq:2
+    dropout = tfdist_plan(dataclasses.replace(config, dropout=0.1), 4, global_batch=4,
+                          length=20, calibration=calibration(), pipeline=False)
+    assert all(c.sequence_method is None for c in dropout.ranked)
+    assert any("attention dropout over a split sequence" in why for _, why in dropout.invalid)

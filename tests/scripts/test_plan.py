@@ -45,3 +45,22 @@ def test_train_nmt_layout_auto_trains_on_the_planners_pick(run_script, calibrate
            "--layout='batch:data'" in result.stdout
     assert "final held-out BLEU" in result.stdout
     assert "--layout=batch:data" in (tmp_path / "run" / "flags.txt").read_text()
+
+
+def test_train_nmt_layout_auto_splits_a_long_sequence_that_fits_no_other_way(
+        run_script, calibrated, tmp_path):
+    """512 tokens a row, 8 MiB a device: the attention scores kept whole (data parallel,
+    tensor parallel, a pipeline) do not fit; the plan splits the length (ring), the
+    script pads to --max_length, splits every batch and trains."""
+    long = [f for f in SMALL if not f.startswith(("--max_length", "--max_tokens"))]
+    result = run_script("train_nmt.py", *long, "--max_length=512", "--max_tokens=1024",
+                        "--dropout=0", "--mesh_shape=data:2", "--layout=auto",
+                        "--memory_per_device=8MiB", "--num_train=200", "--num_test=4",
+                        "--eval_sentences=2", "--beam_size=1", "--steps=2", "--eval_every=2",
+                        f"--model_dir={tmp_path / 'run'}", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("train_nmt: --layout=auto chose --mesh_shape='data:1;seq:2;model:1' "
+            "--layout='batch:data;length:seq' --sequence_method=ring") in result.stdout
+    assert "final held-out BLEU" in result.stdout
+    flags = (tmp_path / "run" / "flags.txt").read_text()
+    assert "--layout=batch:data;length:seq" in flags and "--sequence_method=ring" in flags

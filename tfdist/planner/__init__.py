@@ -23,7 +23,7 @@ from tfdist.mesh import Mesh
 from tfdist.planner.inventory import Entry, Inventory
 from tfdist.planner.memory import Memory, state_bytes
 from tfdist.planner.probe import Calibration
-from tfdist.planner.search import Candidate, NoLayoutFits, Plan, meshes, rank
+from tfdist.planner.search import Candidate, NoLayoutFits, Plan, meshes, rank, sequence_meshes
 from tfdist.planner.workload import Collective, Work, keras_work, transformer_work, xc_work
 
 
@@ -59,13 +59,15 @@ def xc_inventory(config, mesh, optimizer="adam") -> Inventory:
     return Inventory.of(model, optimizer)
 
 
-def _check_step(devices, global_batch: int, length: int) -> int:
-    """The device count, once `devices`, `global_batch` and `length` are checked."""
+def _check_step(devices, global_batch: int, length: int, rows_on_every_device=True) -> int:
+    """The device count, once `devices`, `global_batch` and `length` are checked
+    (with `rows_on_every_device`, the batch must divide over every device; else each
+    candidate checks what it splits the rows over)."""
     num = devices if isinstance(devices, int) else len(devices)
     for name, value in (("devices", num), ("global_batch", global_batch), ("length", length)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer; received {name}={value!r}.")
-    if global_batch % num:
+    if rows_on_every_device and global_batch % num:
         raise ValueError(f"global_batch={global_batch} does not divide over {num} devices "
                          f"(tfdist splits the rows over every device); use a multiple of {num}.")
     return num
@@ -75,13 +77,17 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
          memory_per_device: Optional[int] = None, optimizer="adam",
          calibration: Optional[Calibration] = None, bucket_bytes: int = 25 << 20,
          engine: str = "mesh", speeds: Optional[Sequence[float]] = None,
-         pipeline: bool = True) -> Plan:
+         pipeline: bool = True, sequence: bool = True) -> Plan:
     """Ranks the layouts of a tfdist `Transformer` over `devices` by predicted step time.
 
     Candidates: every `data x model` mesh with the model's splittable axes on
-    `model`, and (with `pipeline`) every `stage:p;data:N/p` pipeline with the
-    1F1B and GPipe schedules and p, 2p or 4p micro-batches
-    (`tfdist.planner.pipeline`).
+    `model`; (with `sequence`) each of those over N / P devices with `length` on
+    a `seq` axis of the other P, ring and Ulysses attention (`sequence_meshes`;
+    valid without dropout or an MoE, for a length of 2P chunks); and (with
+    `pipeline`) every `stage:p;data:N/p` pipeline with the 1F1B and GPipe
+    schedules and p, 2p or 4p micro-batches (`tfdist.planner.pipeline`).
+    The batch must divide over the devices holding different rows (all but a
+    `seq` axis's).
 
     Args:
         model_config: the model's `TransformerConfig`.
@@ -100,6 +106,7 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
             parallelism can split rows by speed (`Candidate.batch_shares`),
             other layouts wait for the slowest.
         pipeline: weigh pipeline layouts too (`Candidate.pipeline`).
+        sequence: weigh sequence splits too (`Candidate.sequence_method`).
 
     Returns:
         A `Plan`: `plan.best.mesh` is the fastest layout that fits;
@@ -110,17 +117,28 @@ def plan(model_config, devices: Union[int, Sequence[str]], global_batch: int, le
             least memory per device that would), or no layout is valid.
         ValueError: a bad argument.
     """
-    num = _check_step(devices, global_batch, length)
+    num = _check_step(devices, global_batch, length, rows_on_every_device=not sequence)
     calibration = calibration or Calibration.measure([num], engine=engine)
     from tfdist.planner.pipeline import pipeline_memory_and_work, pipeline_plans
 
     whole = transformer_inventory(model_config, Mesh.single_device(), optimizer)
     stack = model_config.num_encoder_layers + model_config.num_decoder_layers
     pipelines = pipeline_plans(stack, num, global_batch) if pipeline else []
-    return rank(meshes(whole.logical_axes, num),
-                lambda mesh: transformer_inventory(model_config, mesh, optimizer),
-                lambda mesh, inventory: transformer_work(model_config, mesh, global_batch,
-                                                         length, inventory, bucket_bytes),
+    candidates = meshes(whole.logical_axes, num)
+    if sequence:
+        candidates += sequence_meshes(whole.logical_axes, num)
+    inventories = {}
+
+    def inventory_of(mesh):  # a length split lays the weights out as the rest of the mesh
+        key = (str(mesh.shape), str(mesh.rules))
+        if key not in inventories:
+            inventories[key] = transformer_inventory(model_config, mesh, optimizer)
+        return inventories[key]
+
+    return rank(candidates, inventory_of,
+                lambda mesh, inventory, method=None: transformer_work(
+                    model_config, mesh, global_batch, length, inventory, bucket_bytes,
+                    sequence_method=method),
                 calibration, memory_per_device, speeds, pipelines,
                 lambda plan: pipeline_memory_and_work(model_config, plan, global_batch, length,
                                                       whole))
@@ -189,5 +207,6 @@ def keras_layout_map(model, candidate: Candidate, devices=None):
 
 __all__ = ["Calibration", "Candidate", "Collective", "Entry", "Inventory", "Memory",
            "NoLayoutFits", "Plan", "Work", "keras_layout_map", "keras_work", "meshes", "plan",
-           "plan_keras", "plan_xc", "rank", "state_bytes", "transformer_inventory", "transformer_work",
+           "plan_keras", "plan_xc", "rank", "sequence_meshes", "state_bytes",
+           "transformer_inventory", "transformer_work",
            "unallocated", "xc_inventory", "xc_work"]

@@ -15,6 +15,10 @@ data-parallel layout, whose rows can follow the speeds
 (`HorovodStrategy(batch_shares=...)`), and 1 / min(speeds) for the others,
 whose replicas must hold equal rows (the slowest sets the pace).
 
+A sequence candidate (`sequence_meshes`) adds a `seq` axis of P devices with
+`length:seq` to a `data x model` mesh of the other N / P, and names its
+attention (`sequence_method`: ring or Ulysses).
+
 Those that fit `memory_per_device` are ranked by predicted step time.
 """
 
@@ -47,6 +51,8 @@ class Candidate:
     for a pure data-parallel layout on unequal devices; else None (equal rows)."""
     pipeline: Optional[object] = None
     """The `PipelinePlan` of a pipeline layout (`layers:stage`), else None."""
+    sequence_method: Optional[str] = None
+    """"ring" or "ulysses" where the mesh splits `length`, else None."""
 
     @property
     def flags(self) -> str:
@@ -54,15 +60,20 @@ class Candidate:
         if self.pipeline is not None:
             flags += (f" --num_microbatches={self.pipeline.num_microbatches} "
                       f"--pipeline_schedule={self.pipeline.schedule_name}")
+        if self.sequence_method is not None:
+            flags += f" --sequence_method={self.sequence_method}"
         return flags
 
     @property
     def description(self) -> str:
-        """The layout rules, and a pipeline's schedule and micro-batches."""
-        if self.pipeline is None:
-            return str(self.mesh.rules)
-        return (f"{self.mesh.rules} ({self.pipeline.schedule_name}, "
-                f"m={self.pipeline.num_microbatches})")
+        """The layout rules, and a pipeline's schedule and micro-batches or a split
+        sequence's attention."""
+        if self.pipeline is not None:
+            return (f"{self.mesh.rules} ({self.pipeline.schedule_name}, "
+                    f"m={self.pipeline.num_microbatches})")
+        if self.sequence_method is not None:
+            return f"{self.mesh.rules} ({self.sequence_method})"
+        return str(self.mesh.rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +91,15 @@ class Plan:
 
     def table(self) -> str:
         """The ranked table: mesh, layout, memory per device, predicted step, bytes sent."""
-        header = (f"{'#':>2}  {'mesh':<16} {'layout':<44} {'state MiB':>9} {'total MiB':>9} "
-                  f"{'step ms':>8} {'sent MiB':>8}")
+        rows = self.ranked + self.too_big
+        wm = max([16] + [len(str(c.mesh.shape)) for c in rows])
+        wl = max([44] + [len(c.description) for c in rows])
+        header = (f"{'#':>2}  {'mesh':<{wm}} {'layout':<{wl}} {'state MiB':>9} "
+                  f"{'total MiB':>9} {'step ms':>8} {'sent MiB':>8}")
         lines = [header, "-" * len(header)]
-        for i, c in enumerate(self.ranked + self.too_big, 1):
+        for i, c in enumerate(rows, 1):
             mark = "" if i <= len(self.ranked) else "  (does not fit)"
-            lines.append(f"{i:>2}  {str(c.mesh.shape):<16} {c.description:<44} "
+            lines.append(f"{i:>2}  {str(c.mesh.shape):<{wm}} {c.description:<{wl}} "
                          f"{c.memory.state / 2**20:>9.2f} {c.memory.total / 2**20:>9.2f} "
                          f"{1e3 * c.step_seconds:>8.2f} {c.work.bytes_sent / 2**20:>8.2f}{mark}")
         return "\n".join(lines)
@@ -109,6 +123,21 @@ def meshes(logical_axes: Sequence[str], num_devices: int, fsdp: bool = False) ->
             out.append(Mesh.parse(shape, ";".join(rules)))
             if fsdp and data > 1 and "d_model" in logical_axes:
                 out.append(Mesh.parse(shape, ";".join(rules + ["d_model:data"])))
+    return out
+
+
+def sequence_meshes(logical_axes: Sequence[str], num_devices: int,
+                    methods: Sequence[str] = ("ring", "ulysses")) -> List[Tuple[Mesh, str]]:
+    """`(mesh, sequence_method)` for every `seq` axis of P > 1 devices dividing
+    `num_devices`, over every `data x model` mesh of the other N / P (`meshes`):
+    `data:D;seq:P;model:A` with `length:seq` added to the rules, once per method."""
+    out = []
+    for parts in (p for p in range(2, num_devices + 1) if num_devices % p == 0):
+        for base in meshes(logical_axes, num_devices // parts):
+            data, model = base.shape.axis_size("data"), base.shape.axis_size("model")
+            mesh = Mesh.parse(f"data:{data};seq:{parts};model:{model}",
+                              f"{base.rules};length:seq")
+            out.extend((mesh, method) for method in methods)
     return out
 
 
@@ -144,9 +173,11 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
     """Predicts every candidate mesh and ranks those that fit.
 
     Args:
-        candidates: the `Mesh`es to weigh.
+        candidates: the `Mesh`es to weigh, or `(mesh, sequence_method)` pairs
+            (`sequence_meshes`).
         inventory_of: `mesh -> Inventory`, what the model stores on a mesh.
-        work_of: `(mesh, inventory) -> Work`, the model's step on a mesh.
+        work_of: `(mesh, inventory) -> Work`, the model's step on a mesh
+            (`(mesh, inventory, sequence_method)` for a pair).
         calibration: the machine's `Calibration`.
         memory_per_device: bytes a device may hold (None: no limit).
         speeds: the devices' relative speeds (unequal devices; None: equal).
@@ -167,18 +198,22 @@ def rank(candidates: Sequence[Mesh], inventory_of, work_of, calibration: Calibra
         (fits if fit else too_big).append(candidate)
 
     for mesh in candidates:
+        method = None
+        if isinstance(mesh, tuple):
+            mesh, method = mesh
         try:
             inventory = inventory_of(mesh)
             weights, optimizer, gradients = state_bytes(inventory, mesh)
-            work = work_of(mesh, inventory)
+            work = work_of(mesh, inventory) if method is None else \
+                work_of(mesh, inventory, method)
         except ValueError as e:
-            invalid.append((str(mesh), str(e)))
+            invalid.append((str(mesh) + (f" ({method})" if method else ""), str(e)))
             continue
         shares = None
         if speeds and mesh.splits_only_batch:
             shares = tuple(s / sum(speeds) for s in speeds)
         weigh(mesh, Memory(weights, optimizer, gradients, work.activations), work,
-              batch_shares=shares)
+              batch_shares=shares, sequence_method=method)
     for plan in pipelines:
         try:
             memory, work = pipeline_of(plan)

@@ -29,6 +29,17 @@ gathered rows with 1/A of the weight), so layouts differ in what they send:
         forward, two backward
     gradients: every trainable weight's local gradient summed over the devices
         holding the same shard, fused into buckets of `bucket_bytes`.
+    length on P (`length:seq`, tfdist.sequence; rows per device b = B P / N,
+        tokens t = B L / N as before), per attention, n = t H K floats of keys
+        (as many of values), the validity t floats where keys are masked:
+        ring: P - 1 pair swaps of keys, values, validity forward, as many
+            backward and P - 1 swaps of their gradients (two-device "send"s; an
+            odd P shifts by all_to_alls of P parts, all zeros but one);
+        Ulysses: all_to_all of q, k, v and the output forward (t H K floats
+            each), the same four backward, the validity all_gathered.
+        No [b, H, L, L] scores are kept (the blockwise kernel keeps the output's
+        log-sum-exp, H per token), and causal blocks above the diagonal are
+        skipped: a decoder's self-attention computes (2P + 1) / 4P of the scores.
 
 Activations are estimated from the tensors each block keeps for its backward
 pass (float32): see `_transformer_activations`.
@@ -105,7 +116,8 @@ def gradient_collectives(inventory: Inventory, mesh: Mesh,
 
 def transformer_work(config, mesh: Mesh, batch: int, length: int,
                      inventory: Optional[Inventory] = None,
-                     bucket_bytes: int = 25 << 20, label_smoothing: float = 0.0) -> Work:
+                     bucket_bytes: int = 25 << 20, label_smoothing: float = 0.0,
+                     sequence_method: Optional[str] = None) -> Work:
     """A `tfdist.models.Transformer` training step of `batch` rows of `length`
     source and target tokens on `mesh` (see the module docstring).
 
@@ -118,6 +130,11 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
             collectives counted.
         bucket_bytes: the strategy's gradient bucket size.
         label_smoothing: the loss's (one more all-reduce when split).
+        sequence_method: "ring" or "ulysses" where `mesh` splits `length`
+            (default: the config's).
+
+    Raises:
+        ValueError: the layout cannot run the model (the reason named).
     """
     c = config
     n = mesh.size
@@ -130,6 +147,13 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
         return mesh.axis_size(mesh.mesh_axis(logical))
 
     a_heads, a_ff, a_vocab, a_exp = split("heads"), split("d_ff"), split("vocab"), split("experts")
+    parts = split("length")
+    method = sequence_method or c.sequence_method
+    if parts > 1:
+        _check_sequence_split(c, mesh, batch, length, parts, method, a_heads)
+    elif batch % n:
+        raise ValueError(f"global_batch={batch} does not divide over the {n} devices (tfdist "
+                         f"splits the rows over every device); use a multiple of {n}.")
     colls = []
 
     def megatron(a, rows_bytes, times=1):
@@ -150,7 +174,13 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
     flops = 0.0
     for j, (side, i) in enumerate(layers):
         attentions = 1 if side == "encoder" else 2
-        flops += _block_flops(c, j, t, b, length)
+        flops += _block_flops(c, j, t, b, length, parts)
+        if parts > 1:
+            # encoder self and cross-attention mask their keys; a decoder's self-attention
+            # is causal, unmasked
+            colls.extend(_sequence_collectives(method, parts, t * c.num_heads * c.d_kv * word,
+                                               t * a_heads * word, masked=1,
+                                               unmasked=attentions - 1))
         megatron(a_heads, x_bytes, attentions)
         if a_heads > 1:  # the key padding masks (encoder self, cross), forward only
             colls.append(Collective("all_gather", a_heads, int(t * word), 1))
@@ -182,8 +212,58 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
     flops *= 3  # forward + backward (two matmuls per forward one)
     if inventory is not None:
         colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
-    activations = _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp)
+    activations = _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp,
+                                           blockwise=parts > 1)
     return Work(flops, tuple(colls), int(activations))
+
+
+def _check_sequence_split(c, mesh: Mesh, batch: int, length: int, parts: int, method: str,
+                          a_heads: int) -> None:
+    """Raises ValueError where `length` on `parts` devices cannot run the model."""
+    axis = mesh.mesh_axis("length")
+    rows = mesh.size // parts
+    if batch % rows:
+        raise ValueError(f"global_batch={batch} does not divide over the {rows} devices that "
+                         f"hold different rows (length is on {axis}:{parts}).")
+    if length % (2 * parts):
+        raise ValueError(f"length={length} does not split into 2 x {parts} zig-zag chunks "
+                         f"over mesh axis {axis!r}.")
+    if c.dropout:
+        raise ValueError(f"dropout={c.dropout}: attention dropout over a split sequence is "
+                         f"not supported (dropout=0 would allow length:{axis}).")
+    if c.moe_experts:
+        raise ValueError("an MoE over a split sequence is not planned (its expert groups "
+                         "would differ from one device's).")
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"sequence_method={method!r}; expected 'ring' or 'ulysses'.")
+    if method == "ulysses" and (c.num_heads // a_heads) % parts:
+        raise ValueError(f"Ulysses splits each device's {c.num_heads // a_heads} heads over "
+                         f"{axis}:{parts}, which does not divide them.")
+
+
+def _sequence_collectives(method: str, parts: int, kv_bytes: float, mask_bytes: float,
+                          masked: int, unmasked: int) -> Tuple[Collective, ...]:
+    """What `masked` + `unmasked` attentions over a sequence split on `parts` devices
+    exchange per device: `kv_bytes` are the keys' (values': as many; queries' and the
+    output's under Ulysses), `mask_bytes` the keys' validity."""
+    out = []
+    for count, mask in ((masked, mask_bytes), (unmasked, 0)):
+        if not count:
+            continue
+        if method == "ring" and parts % 2:  # an odd ring shifts by one: all-to-alls
+            # whose parts but the receiver's are zeros (TF has no point-to-point op)
+            out.append(Collective("all_to_all", parts, int(parts * (2 * kv_bytes + mask)),
+                                  2 * (parts - 1) * count))
+            out.append(Collective("all_to_all", parts, int(parts * 2 * kv_bytes),
+                                  (parts - 1) * count))
+        elif method == "ring":
+            out.append(Collective("send", 2, int(2 * kv_bytes + mask), 2 * (parts - 1) * count))
+            out.append(Collective("send", 2, int(2 * kv_bytes), (parts - 1) * count))
+        else:
+            out.append(Collective("all_to_all", parts, int(kv_bytes), 8 * count))
+            if mask:
+                out.append(Collective("all_gather", parts, int(mask), count))
+    return tuple(out)
 
 
 def _moe_slots(c) -> float:
@@ -193,21 +273,27 @@ def _moe_slots(c) -> float:
     return min(1.0, c.moe_top_k * c.moe_capacity_factor / c.moe_experts) * c.moe_experts
 
 
-def _block_flops(c, j: int, t: float, b: float, length: int) -> float:
+def _block_flops(c, j: int, t: float, b: float, length: int, parts: int = 1) -> float:
     """Forward FLOPs of block `j` of the encoder + decoder stack on t = b * length
-    tokens (a device's share; every layout computes the same)."""
+    tokens (a device's share; every layout computes the same but for a sequence
+    split over `parts` > 1, whose blockwise kernel skips causal blocks)."""
     d, f, h, k = c.d_model, c.d_ff, c.num_heads, c.d_kv
     decoder = j >= c.num_encoder_layers
     i = j - c.num_encoder_layers if decoder else j
-    attention = 2 * t * d * h * k * 4 + 2 * 2 * b * h * length * length * k
+    projections = 2 * t * d * h * k * 4
+    scores = 2 * 2 * b * h * length * length * k
     ffn = 2 * 2 * t * d * f
     if c.moe_experts and i % 2 == 1:
         ffn = ffn * _moe_slots(c) + 2 * t * d * c.moe_experts
-    return (2 if decoder else 1) * attention + ffn
+    if not decoder:
+        return projections + scores + ffn
+    causal = (2 * parts + 1) / (4 * parts) if parts > 1 else 1.0
+    return 2 * projections + (1 + causal) * scores + ffn
 
 
 def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp,
-                             blocks=None, lookups: int = 2, projects: bool = True) -> float:
+                             blocks=None, lookups: int = 2, projects: bool = True,
+                             blockwise: bool = False) -> float:
     """Bytes one device keeps for the backward pass (float32, no remat).
 
     Per attention: the normalized input (d) and its A-fold gathered copy,
@@ -218,12 +304,13 @@ def _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp,
     each). Per token and embedding lookup: its row (d).
 
     `blocks` (stack indices; default all), `lookups` (embedding lookups) and
-    `projects` (the softmax) select a pipeline stage's part.
+    `projects` (the softmax) select a pipeline stage's part. `blockwise` (a split
+    sequence): no scores are kept, the log-sum-exp per token and head instead.
     """
     d, f, h, k, v = c.d_model, c.d_ff, c.num_heads, c.d_kv, c.vocab_size
     drop = 1 if c.dropout else 0
-    per_attention = t * (2 * d + (a_heads - 1) * d + 4 * h * k + drop * d) + \
-        (2 + drop) * b * h * length * length
+    per_attention = t * (2 * d + (a_heads - 1) * d + 4 * h * k + drop * d)
+    per_attention += t * h if blockwise else (2 + drop) * b * h * length * length
     per_ffn = t * (2 * d + (a_ff - 1) * d + 2 * f + drop * d)
     if c.moe_experts:
         slots = min(1.0, c.moe_top_k * c.moe_capacity_factor / c.moe_experts) * c.moe_experts
