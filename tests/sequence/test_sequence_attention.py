@@ -169,6 +169,30 @@ def test_blockwise_attention_on_one_device_equals_dense_attention(causal, block)
         np.testing.assert_allclose(value.numpy(), ref, **TOL, err_msg=name)
 
 
+def test_block_pairs_run_one_after_another():
+    """Each chunk pair's scores are made after the previous pair's results (forward and
+    backward): left free, TF's executor may compute every pair's scores before merging
+    any, and memory grows with the square of the length (measured: 1358 MiB against
+    286 MiB chained, one process at 8192 tokens, bench/long_context.py's model)."""
+    q, k, v, w, mask = _data(1, 16, 16, 2, 2, 8, padded=True)
+
+    @tf.function
+    def step(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = sequence.ring_attention(q, k, v, None, causal=True, key_mask=mask, block=4)
+            loss = tf.reduce_sum(out * w)
+        return tape.gradient(loss, [q, k, v])
+
+    graph = step.get_concrete_function(*(tf.constant(x) for x in (q, k, v))).graph
+    scores = [op for op in graph.get_operations()
+              if op.type == "Einsum" and op.get_attr("equation") == b"bkgqd,bksd->bkgqs"]
+    # 4 chunks of 4, causal: 10 pairs' scores forward; backward their scores and dP again
+    assert len(scores) == 30
+    free = [op for op in scores if not op.control_inputs]
+    assert len(free) == 3  # the first pair's forward scores, backward scores and dP
+
+
 def test_ring_moves_one_block_per_pair_swap():
     """seq:4, causal: the forward pass hands over 3 blocks (keys, values, validity) and the
     backward 3 blocks and 3 times their gradients (the last home): each a two-device gather

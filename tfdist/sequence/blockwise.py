@@ -11,7 +11,8 @@ recurrence; ANCHORS B4):
     O  = O e^(m - m') + e^(S - m') V
     l  = l e^(m - m') + rowsum(e^(S - m'))
 
-and the backward pass needs only the output and `lse = m + log l` per row:
+and the backward pass needs only the output and `lse = m + log l` per row
+(recomputing each pair's probabilities):
 
     P  = e^(S - lse)          dV += P^T dO        dP = dO V^T
     dS = P (dP - rowsum(dO * O))   dQ += dS K scale     dK += dS^T Q scale
@@ -22,6 +23,11 @@ keys and values `[B, K, S, D]`, key validity `[B, S]` (1 valid, 0 padding).
 Masked scores get -1e9 added per mask (padding and causal add up), as
 `tfdist.layers.attention` does; a query row that sees no valid key gets a
 finite output no loss should read.
+
+Pairs run one after another (`Serial`): every pair's scores depend only on
+its inputs, and TF's executor, free to order them, may compute the scores of
+many pairs before the first merge consumes any, which makes the memory grow
+with the square of the length; chained, at most one pair's scores are alive.
 """
 
 from typing import List, Optional, Sequence
@@ -60,6 +66,21 @@ def scores(q, k, key_valid: Optional[tf.Tensor], diagonal: bool):
     return s
 
 
+class Serial:
+    """A chain of pair computations: each begins after the previous one's results exist
+    (a control dependency in a graph; eagerly, ops run in program order anyway)."""
+
+    def __init__(self):
+        self.last = None
+
+    def after(self):
+        """The context in which the next pair's first op is made."""
+        return tf.control_dependencies([] if self.last is None else [self.last])
+
+    def done(self, *results) -> None:
+        self.last = tf.group(*results) if len(results) > 1 else results[0]
+
+
 class OnlineSoftmax:
     """The running output, maximum and denominator of each query chunk."""
 
@@ -67,6 +88,7 @@ class OnlineSoftmax:
         self.o: List = [None] * num_chunks
         self.m: List = [None] * num_chunks
         self.l: List = [None] * num_chunks
+        self.serial = Serial()
 
     def add(self, i: int, s, v):
         """Merges scores `s` `[B, K, G, Q, S]` of values `v` `[B, K, S, D]` into chunk `i`."""
@@ -98,16 +120,21 @@ def forward_block(state: OnlineSoftmax, q_chunks, q_ids, k, v, key_valid, k_ids,
     ks, vs = split_rows(k, len(k_ids), 2), split_rows(v, len(k_ids), 2)
     masks = split_rows(key_valid, len(k_ids), 1) if key_valid is not None else [None] * len(k_ids)
     for i, j, diagonal in pairs:
-        state.add(i, scores(q_chunks[i], ks[j], masks[j], diagonal), vs[j])
+        with state.serial.after():
+            s = scores(q_chunks[i], ks[j], masks[j], diagonal)
+        state.add(i, s, vs[j])
+        state.serial.done(state.o[i])
 
 
 def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_chunks,
-                   k, v, key_valid, k_ids, causal, scale):
+                   k, v, key_valid, k_ids, causal, scale, serial: Optional[Serial] = None):
     """One key block's share of the gradients.
 
     Adds into `dq_chunks` (a list, per query chunk, updated in place) and
     returns `(dk, dv)` `[B, K, S, D]` of the block (zeros where no query saw it).
+    `serial` chains the pairs across blocks (default: within this block).
     """
+    serial = serial or Serial()
     pairs = list(chunk_pairs(q_ids, k_ids, causal))
     if not pairs:
         return tf.zeros_like(k), tf.zeros_like(v)
@@ -116,8 +143,9 @@ def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_ch
     dks = [None] * len(k_ids)
     dvs = [None] * len(k_ids)
     for i, j, diagonal in pairs:
-        p = tf.exp(scores(q_chunks[i], ks[j], masks[j], diagonal) - lse_chunks[i][..., None])
-        dp = tf.einsum("bkgqd,bksd->bkgqs", dout_chunks[i], vs[j])
+        with serial.after():
+            p = tf.exp(scores(q_chunks[i], ks[j], masks[j], diagonal) - lse_chunks[i][..., None])
+            dp = tf.einsum("bkgqd,bksd->bkgqs", dout_chunks[i], vs[j])
         ds = p * (dp - delta_chunks[i][..., None])
         dq = tf.einsum("bkgqs,bksd->bkgqd", ds, ks[j]) * scale
         dk = tf.einsum("bkgqs,bkgqd->bksd", ds, q_chunks[i])  # q_chunks are scaled
@@ -125,6 +153,7 @@ def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_ch
         dq_chunks[i] = dq if dq_chunks[i] is None else dq_chunks[i] + dq
         dks[j] = dk if dks[j] is None else dks[j] + dk
         dvs[j] = dv if dvs[j] is None else dvs[j] + dv
+        serial.done(dq_chunks[i], dks[j], dvs[j])
     dks = [d if d is not None else tf.zeros_like(x) for d, x in zip(dks, ks)]
     dvs = [d if d is not None else tf.zeros_like(x) for d, x in zip(dvs, vs)]
     return tf.concat(dks, axis=2), tf.concat(dvs, axis=2)

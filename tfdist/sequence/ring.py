@@ -209,13 +209,14 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
             # holder on and come home after the last round (P - 1 hand-overs).
             block = [kb, vb, mask]
             own = moving = None
+            serial = blockwise.Serial()  # one pair after another, over every round
             for t in range(parts):
                 if t:
                     block = hand_over(block, rounds[t - 1])
                 kt, vt, mt = block
                 share = blockwise.backward_block(
                     q_chunks, q_ids, do_chunks, lse_chunks, delta_chunks, dq_chunks, kt, vt,
-                    mt if has_mask else None, k_ids_of(held[t]), causal, scale)
+                    mt if has_mask else None, k_ids_of(held[t]), causal, scale, serial)
                 if t == 0:
                     own = share
                 elif t == 1:
