@@ -18,10 +18,17 @@ follows the live tensors) and the controller in a third process, the rise of
 each device's peak RSS during a step over its RSS before it, against one
 process's (target 1/2 + 10%).
 
+Under a cap (`--cap_mib`): every device's process's address space (`RLIMIT_AS`)
+at its baseline (after a step of 2048 tokens) plus the budget, the longest
+sequence one device and the ring over 2 train a step of (target: >= 1.8x); the
+controller runs in a process of its own, uncapped (it traces the graphs).
+
     python bench/long_context.py [--lengths 2048,4096,8192,16384] [--steps 3] [--repeats 3]
+    python bench/long_context.py --cap_mib 512
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,8 +48,47 @@ def _config(length):
                     d_ff=1024, attention_block=BLOCK)
 
 
+def _model_and_data(case, strategy, length, steps):
+    """`(model, x, y, rows)`: the model at `length` tokens compiled in `strategy`'s scope
+    (None: one process) and `steps + 1` batches of one row, split for the mesh."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist import sequence
+    from tfdist.models.transformer import SequenceCrossentropy
+    from tfdist.testing.causal_lm import CausalLM
+
+    config = _config(length)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, config.vocab, size=(steps + 1, config.length + 1)).astype("int32")
+    x, y = ids[:, :-1], ids[:, 1:]
+    keras.utils.set_random_seed(0)
+    if strategy is not None:
+        # Each batch's tokens split for the mesh, as numpy (a dataset made on the
+        # controller would be read on the controller's client device).
+        split = sequence.split_sequences(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(1), strategy.mesh)
+        x, y = (np.concatenate(t) for t in zip(*[(a.numpy(), b.numpy()) for a, b in split]))
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = CausalLM(config, method="ring" if case == "one" else case)
+        model.compile(keras.optimizers.Adam(1e-4), SequenceCrossentropy(config.vocab))
+    return model, x, y, len(x) // (steps + 1)
+
+
 def job(args):
-    """One case, run in every task of a launched job; the controller measures."""
+    """One case, run in every task of a launched job; the controller measures.
+
+    With `--budget`: the job trains one step of a short sequence (every thread
+    and pool started), every device's process caps its address space at its
+    peak so far plus the budget (`tfdist.testing.memory_cap`; the controller,
+    apart, is not capped: it holds the graphs, as a TPU host does), then the job
+    trains one step at `--length`; a device out of memory fails the job."""
+    from tfdist.testing import memory_cap
+
+    task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
+    if args.budget and task > 0:
+        memory_cap.cap_when_told(args.signal_dir, task)
     if args.engine == "horovod" and args.case != "one":
         import tensorflow as tf
 
@@ -56,44 +102,76 @@ def job(args):
         from tfdist.cluster import ClusterConfig
 
         devices = ClusterConfig.from_env().start(threads=1, inter_op_threads=2)
-    import keras
-    import numpy as np
     import tensorflow as tf
 
     from bench.pipeline import timed_fit
-    from tfdist import sequence
-    from tfdist.models.transformer import SequenceCrossentropy
     from tfdist.strategies import MeshStrategy
-    from tfdist.testing.causal_lm import CausalLM
 
-    config = _config(args.length)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, config.vocab, size=(args.steps + 1, config.length + 1)).astype("int32")
-    x, y = ids[:, :-1], ids[:, 1:]
-    keras.utils.set_random_seed(0)
     if args.controller_apart:  # task 0 only drives the job
         devices = devices[1:]
-    if args.case == "one":
-        strategy, scope = None, tf.device(devices[0])
-    else:
+    strategy = None
+    if args.case != "one" or args.budget:  # capped: one device driven from the controller too
         strategy = (horovod if args.engine == "horovod" else
                     MeshStrategy(f"seq:{len(devices)}", "length:seq", devices=devices))
-        scope = strategy.scope()
-        # Each batch's tokens split for the mesh, as numpy (a dataset made on the
-        # controller would be read on the controller's client device).
-        split = sequence.split_sequences(
-            tf.data.Dataset.from_tensor_slices((x, y)).batch(1), strategy.mesh)
-        x, y = (np.concatenate(t) for t in zip(*[(a.numpy(), b.numpy()) for a, b in split]))
-    rows = len(x) // (args.steps + 1)  # one global batch
-    with scope:
-        model = CausalLM(config, method=args.case if strategy else "ring")
-        model.compile(keras.optimizers.Adam(1e-4), SequenceCrossentropy(config.vocab))
-    with tf.device(devices[0]):
-        result = timed_fit(model, x, y, rows, args.steps)
+    if args.budget:  # the controller drives the step (its graph lives there), devices compute
+        tiny, x, y, rows = _model_and_data(args.case, strategy, 4 * BLOCK, 1)
+        tiny.fit(x, y, batch_size=rows, verbose=0)
+        tasks = len(devices) + bool(args.controller_apart)
+        caps = memory_cap.cap_job(args.signal_dir, tasks, args.budget,
+                                  controller=not args.controller_apart)
+        model, x, y, rows = _model_and_data(args.case, strategy, args.length, 0)
+        loss = model.fit(x, y, batch_size=rows, verbose=0).history["loss"][0]
+        from tfdist.testing.memory import job_status
+
+        peaks = job_status("VmPeak")
+        result = {"trained": True, "loss": loss, "caps": caps,
+                  "peaks": [peaks[t] for t in sorted(peaks)]}
+    else:
+        model, x, y, rows = _model_and_data(args.case, strategy, args.length, args.steps)
+        with tf.device(devices[0]):
+            result = timed_fit(model, x, y, rows, args.steps)
     if args.engine == "horovod" and args.case != "one" and horovod.hvd.rank():
         return  # rank 0 reports every rank's process (same command line)
     with open(args.result, "w") as f:
         json.dump(result, f)
+
+
+def _trains_under_cap(case, length, budget, tmp, timeout_s=900):
+    """Whether `case` trains a step of `length` tokens with every process capped at its
+    baseline plus `budget` bytes (a fresh job)."""
+    from tfdist.launch.local import run_local
+
+    path = os.path.join(tmp, f"capped-{case}-{length}.json")
+    signals = tempfile.mkdtemp(dir=tmp)
+    command = ["timeout", str(timeout_s), sys.executable, os.path.abspath(__file__),
+               f"--case={case}", f"--length={length}", f"--result={path}",
+               f"--budget={budget}", f"--signal_dir={signals}", "--controller_apart"]
+    status = run_local(command, 2 if case == "one" else 3, pin_cores=True, linger_s=2.0,
+                       out=open(os.devnull, "w"))
+    return status == 0 and os.path.exists(path)
+
+
+def _longest_under_cap(case, budget, tmp, start, step):
+    """The longest multiple of `step` tokens `case` trains under the cap: doubling from
+    `start` until a length fails, then bisecting; `(longest, [(length, trained)...])`."""
+    tried = []
+
+    def trains(length):
+        ok = _trains_under_cap(case, length, budget, tmp)
+        tried.append((length, ok))
+        print(f"    {case} {length:>6} tokens: {'trains' if ok else 'fails'}", flush=True)
+        return ok
+
+    good, bad = 0, start
+    while trains(bad):
+        good, bad = bad, 2 * bad
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if trains(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried
 
 
 def _run(case, length, processes, steps, tmp, controller_apart=False, engine="mesh"):
@@ -136,12 +214,19 @@ def main():
     parser.add_argument("--engine", default="mesh", choices=["mesh", "horovod"],
                         help="the 2-process runs: a mesh over TF_CONFIG workers (gRPC, one "
                              "controller) or HorovodStrategy ranks (Gloo)")
+    parser.add_argument("--cap_mib", type=int, default=0,
+                        help="with a budget (MiB above each process's baseline): the longest "
+                             "sequence one process and the ring over 2 train under it")
     parser.add_argument("--case")
     parser.add_argument("--length", type=int)
     parser.add_argument("--result")
+    parser.add_argument("--budget", type=int, default=0)
+    parser.add_argument("--signal_dir")
     args = parser.parse_args()
     if args.case:
         return job(args)
+    if args.cap_mib:
+        return capped(args.cap_mib << 20)
     from tfdist.testing.memory import RSS_FOLLOWS_TENSORS
 
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -174,6 +259,19 @@ def main():
             print(f"  {method} over 2: " + ", ".join(
                 f"{r / 2 ** 20:7.1f} MiB ({r / max(one[0], 1):.2f} of one)" for r in rise)
                 + " (target 0.50 + 0.10)", flush=True)
+    return 0
+
+
+def capped(budget):
+    """The longest sequence one process and the ring over 2 processes train, every process's
+    address space capped at its baseline plus `budget` (target: ring >= 1.8x one)."""
+    print(f"Longest sequence under RLIMIT_AS = baseline + {budget >> 20} MiB per process "
+          f"(the model above, one step; lengths in multiples of 1024):", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        one, _ = _longest_under_cap("one", budget, tmp, 2048, 1024)
+        ring, _ = _longest_under_cap("ring", budget, tmp, max(one, 1024), 1024)
+    print(f"  one process: {one} tokens; ring over 2: {ring} tokens ({ring / max(one, 1):.2f}x, "
+          f"target 1.8x)", flush=True)
     return 0
 
 

@@ -28,11 +28,12 @@ bytes, loss, peak RSS and peak address space of every task).
 import faulthandler
 import json
 import os
-import resource
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+from tfdist.testing.memory_cap import cap_job, cap_when_told  # noqa: E402
 
 # hidden 1024, FFN 2 x 8192 (Gemma gives each gate half of 16384), 3 layers, vocabulary 8192: 96M parameters, 1.16 GB of
 # weights and Adam slots in float32.
@@ -104,61 +105,6 @@ def _sums(model):
     return out
 
 
-def _own_status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _cap_self(budget: int) -> int:
-    """Caps this process's address space at its peak so far plus `budget`; returns the cap."""
-    cap = _own_status("VmPeak") + budget
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    return cap
-
-
-def _cap_when_told(signal_dir: str, task: int) -> None:
-    """On a worker (which runs no program of its own), a thread that caps the process once
-    the controller has run the tiny step: it waits for `cap-<task>` in `signal_dir`, caps
-    itself and answers with `capped-<task>` (the cap)."""
-    import threading
-    import time
-
-    def wait():
-        order = os.path.join(signal_dir, f"cap-{task}")
-        while not os.path.exists(order):
-            time.sleep(0.05)
-        cap = _cap_self(int(open(order).read()))
-        with open(os.path.join(signal_dir, f"capped-{task}.tmp"), "w") as f:
-            f.write(str(cap))
-        os.replace(os.path.join(signal_dir, f"capped-{task}.tmp"),
-                   os.path.join(signal_dir, f"capped-{task}"))
-
-    threading.Thread(target=wait, daemon=True).start()
-
-
-def _cap_job(signal_dir: str, tasks: int, budget: int):
-    """On the controller: caps itself and orders every worker to; returns the caps."""
-    import time
-
-    caps = [_cap_self(budget)]
-    for task in range(1, tasks):
-        with open(os.path.join(signal_dir, f"cap-{task}.tmp"), "w") as f:
-            f.write(str(budget))
-        os.replace(os.path.join(signal_dir, f"cap-{task}.tmp"),
-                   os.path.join(signal_dir, f"cap-{task}"))
-    for task in range(1, tasks):
-        answer = os.path.join(signal_dir, f"capped-{task}")
-        deadline = time.time() + 60
-        while not os.path.exists(answer):
-            if time.time() > deadline:
-                raise TimeoutError(f"worker {task} did not cap itself within 60 s")
-            time.sleep(0.05)
-        caps.append(int(open(answer).read()))
-    return caps
-
-
 def _build(strategy, config):
     import keras
     import keras_hub
@@ -215,7 +161,7 @@ def main():
         strategy = tf.distribute.get_strategy()
     else:
         if task > 0 and budget:
-            _cap_when_told(signal_dir, task)
+            cap_when_told(signal_dir, task)
         from tfdist.cluster import ClusterConfig
 
         devices = ClusterConfig.from_env().start(threads=1)
@@ -242,7 +188,7 @@ def main():
     tiny.fit(*_data(TINY), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     fields = dict(baseline=_job_status("VmPeak"), **planned)
     if budget:
-        fields["caps"] = _cap_job(signal_dir, tasks, budget)
+        fields["caps"] = cap_job(signal_dir, tasks, budget)
     x, y = _data(CONFIG)
     print(f"big_model {mode} started: building the backbone", flush=True)
     model = _build(strategy, CONFIG)
