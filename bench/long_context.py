@@ -153,12 +153,9 @@ def _trains_under_cap(case, length, budget, tmp, timeout_s=900):
 
 def _longest_under_cap(case, budget, tmp, start, step):
     """The longest multiple of `step` tokens `case` trains under the cap: doubling from
-    `start` until a length fails, then bisecting; `(longest, [(length, trained)...])`."""
-    tried = []
-
+    `start` until a length fails, then bisecting."""
     def trains(length):
         ok = _trains_under_cap(case, length, budget, tmp)
-        tried.append((length, ok))
         print(f"    {case} {length:>6} tokens: {'trains' if ok else 'fails'}", flush=True)
         return ok
 
@@ -171,7 +168,7 @@ def _longest_under_cap(case, budget, tmp, start, step):
             good = mid
         else:
             bad = mid
-    return good, tried
+    return good
 
 
 def _run(case, length, processes, steps, tmp, controller_apart=False, engine="mesh"):
@@ -268,8 +265,8 @@ def capped(budget):
     print(f"Longest sequence under RLIMIT_AS = baseline + {budget >> 20} MiB per process "
           f"(the model above, one step; lengths in multiples of 1024):", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        one, _ = _longest_under_cap("one", budget, tmp, 2048, 1024)
-        ring, _ = _longest_under_cap("ring", budget, tmp, max(one, 1024), 1024)
+        one = _longest_under_cap("one", budget, tmp, 2048, 1024)
+        ring = _longest_under_cap("ring", budget, tmp, max(one, 1024), 1024)
     print(f"  one process: {one} tokens; ring over 2: {ring} tokens ({ring / max(one, 1):.2f}x, "
           f"target 1.8x)", flush=True)
     return 0

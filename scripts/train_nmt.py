@@ -64,7 +64,8 @@ def define_flags():
     flags.DEFINE_enum("remat", model.remat, list(TransformerConfig.REMAT),
                       "Recompute in the backward pass: each block (full) or the "
                       "attention cores (selective).")
-    flags.DEFINE_enum("sequence_method", model.sequence_method, ["ring", "ulysses"],
+    flags.DEFINE_enum("sequence_method", model.sequence_method,
+                      list(TransformerConfig.SEQUENCE_METHODS),
                       "Attention over a sequence the layout splits (length:<axis>): ring "
                       "(key/value blocks travel around the axis) or ulysses (all-to-all to "
                       "split heads).")

@@ -144,6 +144,7 @@ class TransformerConfig:
     """Sizes and options of a `Transformer` (plain data; `validate()` checks it)."""
 
     REMAT = ("none", "full", "selective")
+    SEQUENCE_METHODS = ("ring", "ulysses")
 
     vocab_size: int
     d_model: int = 256
@@ -170,6 +171,21 @@ class TransformerConfig:
     # Attention over a sequence the layout splits (`length:<axis>`): "ring" (key/value
     # blocks travel around the axis) or "ulysses" (all-to-all to split heads).
     sequence_method: str = "ring"
+
+    def check_sequence_split(self, parts: int, axis: str, length: int = 0) -> None:
+        """Raises ValueError where sequences of `length` tokens (0: `max_length`, which a
+        split pads every batch to) cannot split over the `parts` devices of mesh axis
+        `axis`: zig-zag chunks that do not divide them, attention dropout."""
+        name, value = ("length", length) if length else ("max_length", self.max_length)
+        if value % (2 * parts):
+            raise ValueError(
+                f"{name}={value} does not split into 2 x {parts} zig-zag chunks over mesh axis "
+                f"{axis!r} (the layout's length:{axis}); use a multiple of {2 * parts}.")
+        if self.dropout:
+            raise ValueError(
+                f"dropout={self.dropout}: attention dropout over a sequence split on mesh axis "
+                f"{axis!r} is not supported (one device's masks cannot be reproduced block by "
+                f"block); use dropout=0 with length:{axis}.")
 
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "max_length",
@@ -207,9 +223,9 @@ class TransformerConfig:
         if self.remat not in self.REMAT:
             raise ValueError(f"remat must be one of {list(self.REMAT)}; received "
                              f"remat={self.remat!r}.")
-        if self.sequence_method not in ("ring", "ulysses"):
-            raise ValueError(f"sequence_method must be 'ring' or 'ulysses'; received "
-                             f"sequence_method={self.sequence_method!r}.")
+        if self.sequence_method not in self.SEQUENCE_METHODS:
+            raise ValueError(f"sequence_method must be one of {list(self.SEQUENCE_METHODS)}; "
+                             f"received sequence_method={self.sequence_method!r}.")
         for name in ("share_embeddings", "moe_dropless"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; received "
@@ -302,17 +318,8 @@ class NMTConfig:
         parts = mesh.axis_size(axis) if axis is not None else 1
         if parts == 1:
             return 1
-        model = self.model or TransformerConfig(vocab_size=self.vocab_size)
-        if model.max_length % (2 * parts):
-            raise ValueError(
-                f"max_length={model.max_length} does not split into 2 x {parts} zig-zag chunks "
-                f"over mesh axis {axis!r} (the layout's length:{axis}); use a multiple of "
-                f"{2 * parts}.")
-        if model.dropout:
-            raise ValueError(
-                f"dropout={model.dropout}: attention dropout over a sequence split on mesh axis "
-                f"{axis!r} is not supported (one device's masks cannot be reproduced block by "
-                f"block); use dropout=0 with length:{axis}.")
+        (self.model or TransformerConfig(vocab_size=self.vocab_size)).check_sequence_split(
+            parts, axis)
         if self.pipeline_plan() is not None:
             raise ValueError(f"A pipeline (layers on a stage axis) with length on {axis!r} is "
                              f"not supported; map one or the other.")

@@ -186,4 +186,4 @@ def test_sequence_splits_that_cannot_run_are_left_out_with_the_reason():
     dropout = tfdist_plan(dataclasses.replace(config, dropout=0.1), 4, global_batch=4,
                           length=20, calibration=calibration(), pipeline=False)
     assert all(c.sequence_method is None for c in dropout.ranked)
-    assert any("attention dropout over a split sequence" in why for _, why in dropout.invalid)
+    assert any("attention dropout over a sequence split on mesh axis 'seq'" in why for _, why in dropout.invalid)

@@ -225,17 +225,13 @@ def _check_sequence_split(c, mesh: Mesh, batch: int, length: int, parts: int, me
     if batch % rows:
         raise ValueError(f"global_batch={batch} does not divide over the {rows} devices that "
                          f"hold different rows (length is on {axis}:{parts}).")
-    if length % (2 * parts):
-        raise ValueError(f"length={length} does not split into 2 x {parts} zig-zag chunks "
-                         f"over mesh axis {axis!r}.")
-    if c.dropout:
-        raise ValueError(f"dropout={c.dropout}: attention dropout over a split sequence is "
-                         f"not supported (dropout=0 would allow length:{axis}).")
+    c.check_sequence_split(parts, axis, length)
     if c.moe_experts:
         raise ValueError("an MoE over a split sequence is not planned (its expert groups "
                          "would differ from one device's).")
-    if method not in ("ring", "ulysses"):
-        raise ValueError(f"sequence_method={method!r}; expected 'ring' or 'ulysses'.")
+    if method not in c.SEQUENCE_METHODS:
+        raise ValueError(f"sequence_method={method!r}; expected one of "
+                         f"{list(c.SEQUENCE_METHODS)}.")
     if method == "ulysses" and (c.num_heads // a_heads) % parts:
         raise ValueError(f"Ulysses splits each device's {c.num_heads // a_heads} heads over "
                          f"{axis}:{parts}, which does not divide them.")
