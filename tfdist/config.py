@@ -172,11 +172,20 @@ class TransformerConfig:
     # blocks travel around the axis) or "ulysses" (all-to-all to split heads).
     sequence_method: str = "ring"
 
-    def check_sequence_split(self, parts: int, axis: str, length: int = 0) -> None:
+    def check_sequence_split(self, parts: int, axis: str, length: int = 0,
+                             head_shards: int = 1, method: str = "") -> None:
         """Raises ValueError where sequences of `length` tokens (0: `max_length`, which a
         split pads every batch to) cannot split over the `parts` devices of mesh axis
-        `axis`: zig-zag chunks that do not divide them, attention dropout."""
+        `axis`: zig-zag chunks that do not divide them, attention dropout, Ulysses
+        (`method`, default the config's) over heads that do not divide (each device's
+        `num_heads / head_shards`)."""
         name, value = ("length", length) if length else ("max_length", self.max_length)
+        heads = self.num_heads // head_shards
+        if (method or self.sequence_method) == "ulysses" and heads % parts:
+            raise ValueError(
+                f"sequence_method='ulysses' splits each device's {heads} heads over mesh axis "
+                f"{axis!r} of {parts} devices, which does not divide them; use ring or a "
+                f"num_heads that does.")
         if value % (2 * parts):
             raise ValueError(
                 f"{name}={value} does not split into 2 x {parts} zig-zag chunks over mesh axis "
@@ -319,11 +328,8 @@ class NMTConfig:
         if parts == 1:
             return 1
         (self.model or TransformerConfig(vocab_size=self.vocab_size)).check_sequence_split(
-            parts, axis)
-        if self.pipeline_plan() is not None:
-            raise ValueError(f"A pipeline (layers on a stage axis) with length on {axis!r} is "
-                             f"not supported; map one or the other.")
-        return parts
+            parts, axis, head_shards=mesh.axis_size(mesh.mesh_axis("heads")))
+        return parts  # (a stage axis beside it: pipeline_plan refuses the mesh)
 
     def validate(self) -> "NMTConfig":
         self.mesh.validate()

@@ -116,6 +116,10 @@ def test_a_sequence_split_transformer_trains_and_translates(run_script, tmp_path
      "dropout=0.1: attention dropout over a sequence split on mesh axis 'seq'"),
     (["--mesh_shape=seq:4", "--layout=length:seq", "--dropout=0", "--max_length=20"],
      "max_length=20 does not split into 2 x 4 zig-zag chunks"),
+    (["--mesh_shape=seq:4", "--layout=length:seq", "--dropout=0", "--sequence_method=ulysses"],
+     "sequence_method='ulysses' splits each device's 2 heads over mesh axis 'seq' of 4 devices"),
+    (["--mesh_shape=stage:2;seq:2", "--layout=layers:stage;length:seq", "--dropout=0"],
+     "Mesh stage:2;seq:2 has axes ['seq'] besides the stage axis 'stage'"),
 ])
 def test_bad_flags_give_one_clear_error(run_script, flags, fragment, assert_one_line_error):
     result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:1;model:2", "--steps=2",

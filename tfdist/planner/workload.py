@@ -225,16 +225,13 @@ def _check_sequence_split(c, mesh: Mesh, batch: int, length: int, parts: int, me
     if batch % rows:
         raise ValueError(f"global_batch={batch} does not divide over the {rows} devices that "
                          f"hold different rows (length is on {axis}:{parts}).")
-    c.check_sequence_split(parts, axis, length)
-    if c.moe_experts:
-        raise ValueError("an MoE over a split sequence is not planned (its expert groups "
-                         "would differ from one device's).")
     if method not in c.SEQUENCE_METHODS:
         raise ValueError(f"sequence_method={method!r}; expected one of "
                          f"{list(c.SEQUENCE_METHODS)}.")
-    if method == "ulysses" and (c.num_heads // a_heads) % parts:
-        raise ValueError(f"Ulysses splits each device's {c.num_heads // a_heads} heads over "
-                         f"{axis}:{parts}, which does not divide them.")
+    c.check_sequence_split(parts, axis, length, head_shards=a_heads, method=method)
+    if c.moe_experts:
+        raise ValueError("an MoE over a split sequence is not planned (its expert groups "
+                         "would differ from one device's).")
 
 
 def _sequence_collectives(method: str, parts: int, kv_bytes: float, mask_bytes: float,
