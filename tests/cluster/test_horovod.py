@@ -27,7 +27,8 @@ def rank_env(**extra):
                 TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **extra)
 
 
-def horovodrun(*args, timeout=240, pinned=False):
+# Timeouts guard against hangs (about 2x the job's time alone; the suite's load doubles it).
+def horovodrun(*args, timeout=480, pinned=False):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
     env = rank_env()
     # Pinned: each rank on its own core, as `horovodrun ... taskset -c RANK python ...`.
@@ -158,7 +159,7 @@ def test_batch_shares_with_a_split_layout_is_refused_before_horovod_starts(kwarg
 MESH_JOB = os.path.join(ROOT, "tests", "jobs", "hvd_mesh_job.py")
 
 
-def mesh_run(np_, mesh, models, timeout=400):
+def mesh_run(np_, mesh, models, timeout=800):
     runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
     shared = tempfile.mkdtemp(prefix="tfdist_hvd_")  # the ranks' shared checkpoint directory
     env = rank_env(TFDIST_TEST_BACKUP_DIR=shared)

@@ -17,7 +17,8 @@ JOB = os.path.join(ROOT, "tests", "jobs", "mw_job.py")
 pytestmark = pytest.mark.slow
 
 
-def launch(*args, timeout=240):
+# A guard against hangs: about 2x the job's time alone, which the suite's load doubles.
+def launch(*args, timeout=480):
     return subprocess.run([sys.executable, "-m", "tfdist.launch", "--num_workers", "2", "--",
                            JOB, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
