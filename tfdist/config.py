@@ -176,9 +176,9 @@ class TransformerConfig:
                              head_shards: int = 1, method: str = "") -> None:
         """Raises ValueError where sequences of `length` tokens (0: `max_length`, which a
         split pads every batch to) cannot split over the `parts` devices of mesh axis
-        `axis`: zig-zag chunks that do not divide them, attention dropout, Ulysses
-        (`method`, default the config's) over heads that do not divide (each device's
-        `num_heads / head_shards`)."""
+        `axis`: zig-zag chunks that do not divide them, MoE groups that do not divide a
+        chunk, attention dropout, Ulysses (`method`, default the config's) over heads that
+        do not divide (each device's `num_heads / head_shards`)."""
         name, value = ("length", length) if length else ("max_length", self.max_length)
         heads = self.num_heads // head_shards
         if (method or self.sequence_method) == "ulysses" and heads % parts:
@@ -190,6 +190,13 @@ class TransformerConfig:
             raise ValueError(
                 f"{name}={value} does not split into 2 x {parts} zig-zag chunks over mesh axis "
                 f"{axis!r} (the layout's length:{axis}); use a multiple of {2 * parts}.")
+        chunk = value // (2 * parts)
+        if self.moe_experts and chunk % self.moe_group_size:
+            raise ValueError(
+                f"moe_group_size={self.moe_group_size} does not divide the {chunk} tokens of a "
+                f"zig-zag chunk ({name}={value} over 2 x {parts} chunks on mesh axis {axis!r}), "
+                f"so the MoE's groups would not be one device's; use a moe_group_size that "
+                f"divides {chunk}.")
         if self.dropout:
             raise ValueError(
                 f"dropout={self.dropout}: attention dropout over a sequence split on mesh axis "

@@ -40,7 +40,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tfdist import batch_rows, collectives
+from tfdist import batch_rows, collectives, sequence
 from tfdist.layers import moe_routing
 from tfdist.layers.weights import (
     add_sharded_weight,
@@ -316,6 +316,7 @@ class MoE(keras.layers.Layer):
             # Inference (e.g. a decoding step of batch * beam tokens): the
             # largest group size that divides the tokens, at most group_size.
             S = math.gcd(num_tokens, S)
+        self._check_sequence_groups(x, S)
         if num_tokens is not None and num_tokens % S:
             raise ValueError(
                 f"Layer {self.name!r}: group_size={S} must divide the {num_tokens} "
@@ -460,6 +461,23 @@ class MoE(keras.layers.Layer):
         if training and self.dropout > 0:
             hidden = keras.random.dropout(hidden, self.dropout, seed=self.seed_generator)
         return tf.matmul(hidden, self.shared_wo)
+
+    def _check_sequence_groups(self, x, S):
+        """Over a sequence split (`length` on a mesh axis of P devices, zig-zag: each
+        device holds 2 chunks of length / 2P tokens of every row), a group must lie
+        inside one chunk for the groups, and with them capacity and the losses, to be
+        one device's."""
+        axis = sequence.length_axis()
+        if axis is None or x.shape.rank != 3 or x.shape[1] is None:
+            return
+        chunk = x.shape[1] // 2
+        if chunk % S:
+            parts = collectives.axis_size(axis)
+            raise ValueError(
+                f"Layer {self.name!r}: group_size={S} does not divide the {chunk} tokens of "
+                f"a zig-zag chunk (length {2 * chunk * parts} over the {parts} devices of mesh "
+                f"axis {axis!r}: 2 x {parts} chunks), so its groups would not be one "
+                f"device's; use a group_size that divides {chunk}.")
 
     @staticmethod
     def _token_mask(x):

@@ -230,8 +230,8 @@ def _check_sequence_split(c, mesh: Mesh, batch: int, length: int, parts: int, me
                          f"{list(c.SEQUENCE_METHODS)}.")
     c.check_sequence_split(parts, axis, length, head_shards=a_heads, method=method)
     if c.moe_experts:
-        raise ValueError("an MoE over a split sequence is not planned (its expert groups "
-                         "would differ from one device's).")
+        raise ValueError("an MoE over a split sequence is not planned (it trains there, but "
+                         "its exchanges over the split are not modelled).")
 
 
 def _sequence_collectives(method: str, parts: int, kv_bytes: float, mask_bytes: float,

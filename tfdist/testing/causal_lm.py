@@ -70,7 +70,8 @@ class CausalLM(keras.Model):
 
     def call(self, ids):
         positions = sequence.token_positions(ids.shape[1])  # global positions of local tokens
-        x = self.tokens(ids) + sinusoids(positions, self.config.d_model)[None]
+        x = self.tokens(ids)
+        x = x + tf.cast(sinusoids(positions, self.config.d_model), x.dtype)[None]
         mask = tf.not_equal(ids, 0)
         for norm_a, attention, norm_f, ff_in, ff_out in self.blocks:
             x = x + attention(norm_a(x), key_mask=mask, causal=True)
@@ -88,15 +89,16 @@ def padded_sequences(config: LMConfig, rows: int, seed: int = 3):
 
 
 def train(strategy, method="ring", config: LMConfig = LMConfig(), batch=4, steps=10,
-          learning_rate=1e-2):
-    """`(losses [steps], {path: weight})` after `steps` Adam steps, one `fit` per batch."""
+          learning_rate=1e-2, optimizer=None):
+    """`(losses [steps], {path: weight})` after `steps` optimizer steps (Adam, or
+    `optimizer()`), one `fit` per batch."""
     x, y = padded_sequences(config, batch * steps)
     keras.utils.set_random_seed(7)
     scope = strategy.scope() if strategy else keras.utils.custom_object_scope({})
     with scope:
         model = CausalLM(config, method, name="causal_lm")
-        model.compile(optimizer=keras.optimizers.Adam(learning_rate),
-                      loss=SequenceCrossentropy(config.vocab))
+        optimizer = optimizer() if optimizer else keras.optimizers.Adam(learning_rate)
+        model.compile(optimizer=optimizer, loss=SequenceCrossentropy(config.vocab))
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     if strategy:
         dataset = sequence.split_sequences(dataset, strategy.mesh)
