@@ -283,8 +283,9 @@ def _data(steps):
 # The expert FFN with its hidden units split (d_ff:model; the routing does not see the
 # split, so one mode suffices): two MoE layers on 2x2 in
 # tests/strategies/test_partial_batches.py, against the no-drop reference.
+# Experts over a 2-device axis: data:2;model:2 (data:1;model:2 ran the same exchanges
+# without the data axis: dropped for the suite's time, 31 CPU-s).
 EQUIVALENCE_CASES = [("data:1;model:1", "experts:model"),
-                     ("data:1;model:2", "experts:model"),
                      ("data:2;model:2", "batch:data;experts:model"),
                      ("data:1;model:4", "experts:model")]
 

@@ -114,6 +114,8 @@ def test_a_sequence_split_transformer_trains_and_translates(run_script, tmp_path
      "num_layers=4 does not split over mesh axis stage:3"),
     (["--mesh_shape=seq:2", "--layout=length:seq", "--dropout=0.1"],
      "dropout=0.1: attention dropout over a sequence split on mesh axis 'seq'"),
+    (["--mesh_shape=seq:2", "--layout=length:seq", "--dropout=0", "--moe_experts=4",
+      "--moe_group_size=4"], "moe_group_size=4 does not divide the 6 tokens of a zig-zag chunk"),
     (["--mesh_shape=seq:4", "--layout=length:seq", "--dropout=0", "--max_length=20"],
      "max_length=20 does not split into 2 x 4 zig-zag chunks"),
     (["--mesh_shape=seq:4", "--layout=length:seq", "--dropout=0", "--sequence_method=ulysses"],
