@@ -38,9 +38,11 @@ def _copies(var):
     # 6 with them, so they only change the odds. In a wrong run both replicas' copies are
     # equal (the averaging is fine) and both are off: first kernel 1.4e-3, its bias 6e-4,
     # the second layer 9e-5, as if one replica's update of the first layer were missing in
-    # a step. Suspected: the recomputed call's variables, which graph-mode
-    # tf.custom_gradient finds by watching variable reads, picked up wrong while the two
-    # replica threads trace at once. Not yet fixed; kept visible, not strict.
+    # a step. Ruled out: the variables graph-mode tf.custom_gradient hands each recomputed
+    # call's gradient (every replica got its own device's copies in 10 runs, 2 of them
+    # wrong), and Keras's call context (thread-local). The model is traced once per fit,
+    # so the graph or its execution differs in a wrong run. Not yet fixed; kept visible,
+    # not strict.
     pytest.param(2, True, marks=pytest.mark.xfail(
         strict=False, reason="intermittent: differs from synchronous SGD (see the comment)")),
 ])
