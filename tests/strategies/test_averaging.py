@@ -44,8 +44,11 @@ def _copies(var):
     # recomputed: with only its Dense layers under RematScope 0 of 10 runs were wrong,
     # with only the Sequential 3 of 10. A per-thread TF gradient_override_map (which
     # graph-mode tf.custom_gradient sets on the graph both replica threads trace into)
-    # did not cure it (1 of 12). The model is traced once per fit, so the graph or its
-    # execution differs in a wrong run. Not yet fixed; kept visible, not strict.
+    # did not cure it (1 of 12). Neither part alone fails: averaging without remat 0 of
+    # 12, MeshStrategy data:2 with the Sequential recomputed 0 of 12. The model is traced
+    # once per fit, so the graph or its execution differs in a wrong run (next suspect: the
+    # order of the recomputation's variable reads against averaging's writes). Not yet
+    # fixed; kept visible, not strict.
     pytest.param(2, True, marks=pytest.mark.xfail(
         strict=False, reason="intermittent: differs from synchronous SGD (see the comment)")),
 ])
