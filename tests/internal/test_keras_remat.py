@@ -271,3 +271,32 @@ def test_the_transformer_option_is_validated(bad):
 
     with pytest.raises(ValueError, match=r"remat must be one of \['none', 'full', 'selective'\]"):
         TransformerConfig(vocab_size=8, **bad).validate()
+
+
+def test_a_recomputed_calls_gradients_are_released_together():
+    # The last layer's kernel gradient needs only its input, not the recomputation's read
+    # of that kernel, which the first layer's gradient needs. Model averaging updates each
+    # variable once its gradient exists (no all-reduce joins them), and TF did not order
+    # that update after the read: the first layer's gradient saw the updated kernel in
+    # some runs (tests/strategies/test_averaging.py's remat case, 2 of 6 runs wrong
+    # before, 0 of 16 after). Every gradient now waits for all of them.
+    first, last = keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)
+    first.build((None, 5))
+    last.build((None, 4))
+    recomputed = keras_remat.remat(lambda x: last(first(x)))
+    seen = {}
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(recomputed(x))
+        seen["first"], seen["last"] = tape.gradient(
+            loss, [first.kernel.value, last.kernel.value])
+        return seen["first"], seen["last"]
+
+    gradients.get_concrete_function(tf.TensorSpec([3, 5]))
+    producer = seen["first"].op
+    while producer.type == "Identity":
+        producer = producer.inputs[0].op
+    assert producer in seen["last"].op.control_inputs, (
+        producer.name, [op.name for op in seen["last"].op.control_inputs])

@@ -30,27 +30,12 @@ def _copies(var):
 
 @pytest.mark.parametrize("replicas, remat", [
     (2, False), (4, False),
-    # Intermittent: in the CI-faithful run of 2026-12-03 it differed from synchronous SGD
-    # by 1e-3 (the first kernel, every element). In a fresh process it passed 6 of 6, but
-    # only 2 of 5 once tfdist.internal.keras_tensor_parallel's dispatchers were installed
-    # (by any ModelParallel/DataParallel test; no layout map in play). 2026-12-07, the
-    # test body repeated in one process: 1 of 8 runs wrong without those dispatchers, 2 of
-    # 6 with them, so they only change the odds. In a wrong run both replicas' copies are
-    # equal (the averaging is fine) and both are off: first kernel 1.4e-3, its bias 6e-4,
-    # the second layer 9e-5, as if one replica's update of the first layer were missing in
-    # a step. Ruled out: the variables graph-mode tf.custom_gradient hands each recomputed
-    # call's gradient (every replica got its own device's copies in 10 runs, 2 of them
-    # wrong), and Keras's call context (thread-local). It needs the model's own call
-    # recomputed: with only its Dense layers under RematScope 0 of 10 runs were wrong,
-    # with only the Sequential 3 of 10. A per-thread TF gradient_override_map (which
-    # graph-mode tf.custom_gradient sets on the graph both replica threads trace into)
-    # did not cure it (1 of 12). Neither part alone fails: averaging without remat 0 of
-    # 12, MeshStrategy data:2 with the Sequential recomputed 0 of 12. The model is traced
-    # once per fit, so the graph or its execution differs in a wrong run (next suspect: the
-    # order of the recomputation's variable reads against averaging's writes). Not yet
-    # fixed; kept visible, not strict.
-    pytest.param(2, True, marks=pytest.mark.xfail(
-        strict=False, reason="intermittent: differs from synchronous SGD (see the comment)")),
+    # With the model's call recomputed this was wrong in 1 of 3 runs (first kernel off by
+    # 1e-3): averaging updated the last layer as soon as its gradient existed, before the
+    # recomputation had read it for the first layer's gradient. Fixed in
+    # tfdist.internal.keras_remat (gradients released together; graph test in
+    # tests/internal/test_keras_remat.py): 0 of 16 repeated runs wrong.
+    (2, True),
 ])
 def test_period_one_with_sgd_is_synchronous_sgd(replicas, remat):
     x, y = _data(10)

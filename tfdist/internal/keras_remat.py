@@ -133,6 +133,26 @@ def _after(tensor, gradient):
     return tensor + tf.cast(tf.where(tf.equal(finite, finite), 0.0, float("nan")), tensor.dtype)
 
 
+def _released_together(gradients):
+    """`gradients`, none of which is available before all of them are.
+
+    The recomputation reads the variables again; a variable's own gradient may not need
+    its read (a last Dense layer's kernel gradient needs only its input), while an
+    earlier layer's does. A strategy that updates each variable as soon as its gradient
+    exists (model averaging: no all-reduce joins the gradients) could then overwrite the
+    variable before the recomputation has read it for the earlier layer, and TF did not
+    order the two: the earlier layer's gradient saw the updated value in some runs.
+    """
+    ready = [g.values if isinstance(g, tf.IndexedSlices) else g
+             for g in gradients if g is not None]
+    if not ready or tf.executing_eagerly():
+        return gradients
+    with tf.control_dependencies(ready):
+        return [g if g is None else
+                tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in gradients]
+
+
 def _refuse_split_weights(layer):
     """Raises if `layer`, recomputed in a mesh replica, has a weight a `LayoutMap` splits.
 
@@ -226,6 +246,7 @@ def remat(f):
                 dx = tape.gradient([y for y, _ in pairs], sources,
                                    output_gradients=[g for _, g in pairs],
                                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                dx = _released_together(dx)
                 return dx[:len(again)], dx[len(again):]
 
             return flat_out, gradient
