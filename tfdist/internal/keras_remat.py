@@ -38,6 +38,11 @@ their gradient; they are added back to their layers. Tensor arguments travel
 positionally (floating tensors are differentiated, others are constants) and
 keyword arguments are bound in a closure.
 
+The gradients of one recomputed call are released together (`_released_together`): a
+strategy that updates each variable as soon as its gradient exists (model averaging)
+would otherwise be free to overwrite a variable before the recomputation has read it
+for another variable's gradient.
+
 Collectives inside `f` run again in the recomputation, in the same order on
 every replica; the recomputation waits for the output's gradient (a data
 dependency, as `tf.recompute_grad` does), so it is not scheduled with the
