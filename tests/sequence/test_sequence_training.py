@@ -6,6 +6,7 @@ attention over each device's zig-zag tokens (`split_sequences`). Loss history
 and every weight after 10 Adam steps must agree to 1e-5.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -13,6 +14,7 @@ import tensorflow as tf
 from tfdist import sequence
 from tfdist.strategies import MeshStrategy
 from tfdist.testing import causal_lm
+from tfdist.testing.pipeline import relative
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +58,16 @@ def test_split_sequences_names_what_does_not_divide():
         sequence.split_sequences(tf.data.Dataset.from_tensors(np.zeros((3, 16))), mesh)
 
 
-def _keras_options():
+
+@pytest.fixture(scope="module")
+def one_device_with_options():
     # Global clipping of the summed gradient (each device holds part of every row's
     # tokens: its gradient is a partial sum), EMA weights written back at the end of
     # every fit, and gradients accumulated over 2 steps.
-    import keras
+    return causal_lm.train(None, optimizer=_keras_options)
 
+
+def _keras_options():
     return keras.optimizers.Adam(1e-2, global_clipnorm=0.05, use_ema=True,
                                  ema_momentum=0.9, gradient_accumulation_steps=2)
 
@@ -71,8 +77,8 @@ def _keras_options():
     ("seq:2", "length:seq", "ulysses"),
 ])
 def test_clipping_ema_and_accumulation_over_a_split_sequence_equal_one_device(
-        one_device, mesh, layout, method):
-    want_losses, want_weights = causal_lm.train(None, optimizer=_keras_options)
+        one_device, one_device_with_options, mesh, layout, method):
+    want_losses, want_weights = one_device_with_options
     losses, weights = causal_lm.train(MeshStrategy(mesh, layout=layout), method,
                                       optimizer=_keras_options)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
@@ -83,26 +89,21 @@ def test_clipping_ema_and_accumulation_over_a_split_sequence_equal_one_device(
     assert max(float(np.abs(plain[p] - want_weights[p]).max()) for p in plain) > 1e-3
 
 
-def test_mixed_bfloat16_over_a_split_sequence_is_as_close_to_float32_as_one_device(one_device):
+def test_mixed_bfloat16_over_a_split_sequence_is_as_close_to_float32_as_one_device(
+        one_device, mixed_bfloat16):
     # bfloat16 rounds every partial sum, and the ring's online softmax adds the blocks in
     # another order than one device's softmax: the split cannot equal one device's
     # bfloat16 run bit for bit. What it must be is as accurate: after 10 Adam steps its
-    # weights are as far from the float32 run (relative L2) as one device's bfloat16
-    # weights are, within 1.5x.
-    import keras
-
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    try:
-        _, one = causal_lm.train(None)
-        _, split = causal_lm.train(MeshStrategy("seq:2", layout="length:seq"), "ring")
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    # weights are as far from the float32 run (relative L2; `one_device`, module-scoped,
+    # is set up before the function-scoped policy) as one device's bfloat16 weights are,
+    # within 1.5x.
+    _, one = causal_lm.train(None)
+    _, split = causal_lm.train(MeshStrategy("seq:2", layout="length:seq"), "ring")
     paths = sorted(one_device[1])
 
     def error(weights, want):
-        a = np.concatenate([weights[p].ravel() for p in paths])
-        b = np.concatenate([want[p].ravel() for p in paths])
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        return relative(np.concatenate([weights[p].ravel() for p in paths]),
+                        np.concatenate([want[p].ravel() for p in paths]))
 
     one_error, split_error = error(one, one_device[1]), error(split, one_device[1])
     print(f"mixed_bfloat16 vs float32 after 10 steps (relative L2): one device "
