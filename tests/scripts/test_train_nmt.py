@@ -84,8 +84,8 @@ def test_a_pipelined_transformer_trains_and_translates(run_script, tmp_path):
 @pytest.mark.slow
 def test_a_sequence_split_transformer_trains_and_translates(run_script, tmp_path):
     """`length:seq`: source and target split over 2 devices (ring attention),
-    batches padded to --max_length; BLEU decodes whole sequences with the
-    global weights."""
+    batches padded to --max_length; BLEU's beam search encodes the sources over
+    the split (`Transformer.encode_split`) and decodes with the global weights."""
     model_dir = tmp_path / "run"
     result = run_script("train_nmt.py", *SMALL, "--mesh_shape=data:2;seq:2",
                         "--layout=batch:data;length:seq", "--dropout=0", "--steps=4",

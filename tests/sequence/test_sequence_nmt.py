@@ -166,3 +166,69 @@ def test_moe_groups_that_cross_a_zig_zag_chunk_are_refused():
     with pytest.raises(ValueError, match=r"group_size=4 does not divide the 2 tokens of a "
                                          r"zig-zag chunk \(length 8 over the 2 devices"):
         strategy.run(lambda: layer(x, training=True))
+
+
+@pytest.mark.parametrize("mesh, layout, method, moe", [
+    ("seq:2", "length:seq", "ring", False),
+    ("data:2;seq:2", "batch:data;length:seq", "ulysses", False),
+    # An MoE in the encoder's second block: sources pad to a multiple of 2 P x group size.
+    ("seq:2;model:2", "length:seq;heads:model;d_ff:model;vocab:model;experts:model", "ring",
+     True),
+])
+def test_beam_search_encodes_the_source_over_the_split_sequence(monkeypatch, mesh, layout,
+                                                                method, moe):
+    """`translate` on a mesh splitting `length` runs the encoder over the split (the
+    attention over the sequence axis, every device on its share) and decodes what one
+    device decodes: the same memory and the same beams."""
+    import tensorflow as tf
+
+    from tfdist import sequence
+
+    config = dataclasses.replace(_moe_config(method) if moe else _config(method),
+                                 num_decoder_layers=2)
+    strategy = MeshStrategy(mesh, layout)
+    with strategy.scope():
+        model = Transformer(config)
+    keras.utils.set_random_seed(7)
+    plain = Transformer(config)
+    # A larger initial scale than Keras's: random models' logits otherwise nearly tie.
+    model.set_weights([3 * w if w.ndim > 1 else w for w in plain.get_weights()])
+    plain.set_weights(model.get_weights())
+    # 3 rows of 7 tokens: rows pad to the row groups, tokens to 2 P (x group size).
+    (src, _), _ = _pairs(3, seed=11)
+    src = src[:, :7]
+    split_calls = []
+    attend = sequence.METHODS[method]
+
+    def spy(q, k, v, axis, **kwargs):
+        split_calls.append((axis, int(q.shape[1])))  # q: [b, L/P, H, d_kv]
+        return attend(q, k, v, axis, **kwargs)
+
+    monkeypatch.setitem(sequence.METHODS, method, spy)
+    for beam_size in (1, 3):
+        ids = model.translate(src, beam_size=beam_size, max_length=LENGTH).numpy()
+        np.testing.assert_array_equal(
+            ids, plain.translate(src, beam_size=beam_size, max_length=LENGTH).numpy())
+        # Every encoder attention call ran on the axis, on its share of the 8 padded
+        # tokens (traced by the first translate; the second reuses the step).
+        assert split_calls and set(split_calls) == {("seq", LENGTH // 2)}, split_calls
+    memory, mask = model.encode_split(tf.constant(src))
+    expected_memory, expected_mask = plain.encode(tf.constant(src), training=False)
+    np.testing.assert_array_equal(mask[:, :7], expected_mask.numpy())
+    assert not mask[:, 7:].any()
+    assert relative(memory[:, :7], expected_memory.numpy()) < 1e-5
+    assert len(ids) == 3 and (ids != 0).any()
+
+
+def test_translating_a_source_longer_than_the_split_allows_names_the_limit():
+    import tensorflow as tf
+
+    strategy = MeshStrategy("seq:2", "length:seq")
+    with strategy.scope():
+        model = Transformer(dataclasses.replace(_moe_config("ring"), max_length=12))
+    # 9 tokens pad to 16 (a multiple of 2 x 2 chunks of moe_group_size=2), over max_length.
+    with pytest.raises(ValueError, match=r"Sources of 9 tokens pad to 16 \(a multiple of 8: "
+                                         r"2 x 2 zig-zag chunks over mesh axis 'seq' of "
+                                         r"moe_group_size=2 tokens\), more than max_length=12; "
+                                         r"translate sources of at most 8 tokens"):
+        model.translate(tf.ones([1, 9], tf.int32), beam_size=2)

@@ -238,6 +238,11 @@ class Transformer(keras.Model):
         model trained on any mesh), XLA-compiled unless `jit_compile=False`
         or the weights live on several devices (XLA cannot read those; load
         the checkpoint into a model on one device to decode fast).
+
+        On a mesh whose layout maps `length`, the encoder runs over the split
+        sequence (`encode_split`: its attention's work and activations split
+        over the axis); the search then reads the whole memory, as its
+        cross-attention's keys and values (one query per step, linear in `Ls`).
         """
         max_length = max_length or self.model_config.max_length
         if max_length > self.model_config.max_length:
@@ -246,22 +251,64 @@ class Transformer(keras.Model):
         on_mesh = runtime.current_runtime(self.distribute_strategy) is not None
         if jit_compile and on_mesh and len(self.distribute_strategy.extended.worker_devices) > 1:
             jit_compile = False  # XLA cannot read variables that live on other devices
-        key = (beam_size, float(alpha), max_length, jit_compile)
+        source_ids = tf.convert_to_tensor(source_ids, "int32")
+        split = on_mesh and sequence.sequence_axis(self.distribute_strategy.mesh) is not None
+        key = (beam_size, float(alpha), max_length, jit_compile, split)
         if key not in self._decoders:
+            search = functools.partial(self._search, beam_size=beam_size, alpha=alpha,
+                                       max_length=max_length)
             self._decoders[key] = tf.function(
-                lambda src: self._search(src, beam_size, alpha, max_length),
+                search if split else lambda src: search(*self.encode(src, training=False)),
                 jit_compile=jit_compile, reduce_retracing=True)
-        return self._decoders[key](tf.convert_to_tensor(source_ids, "int32"))
+        if split:
+            return self._decoders[key](*self.encode_split(source_ids))
+        return self._decoders[key](source_ids)
 
-    def _search(self, source_ids, beam_size, alpha, max_length):
-        memory = self.memory_cache(*self.encode(source_ids, training=False))
+    def encode_split(self, source_ids):
+        """(memory `[b, Ls', d]`, mask `[b, Ls']`) of `source_ids [b, Ls]`, encoded over
+        the sequence split of the model's mesh (its layout maps `length`).
+
+        Every device encodes its rows' zig-zag share of the tokens (ring or
+        Ulysses attention over the axis), as in training; the shares are
+        merged in token order. Rows are padded to a multiple of the mesh's
+        row groups (with copies of the first row, dropped again) and the
+        length with padding to `Ls'`, the next multiple of `2 P` (of
+        `2 P x moe_group_size` with an MoE, whose groups must lie in one
+        chunk); padding is masked, so the search reads the same memory.
+        """
+        strategy = self.distribute_strategy
+        mesh = strategy.mesh
+        axis = sequence.sequence_axis(mesh)
+        parts = mesh.axis_size(axis)
+        c = self.model_config
+        unit = 2 * parts * (c.moe_group_size if c.moe_experts else 1)
+        rows, length = (int(d) for d in source_ids.shape)
+        padded = -(-length // unit) * unit
+        if padded > c.max_length:
+            raise ValueError(
+                f"Sources of {length} tokens pad to {padded} (a multiple of {unit}: 2 x {parts} "
+                f"zig-zag chunks over mesh axis {axis!r}"
+                f"{f' of moe_group_size={c.moe_group_size} tokens' if c.moe_experts else ''}), "
+                f"more than max_length={c.max_length}; translate sources of at most "
+                f"{c.max_length // unit * unit} tokens on this mesh.")
+        groups = mesh.shape.size // parts
+        src = tf.pad(source_ids, [[0, 0], [0, padded - length]], constant_values=PAD_ID)
+        src = tf.concat([src, tf.repeat(src[:1], -rows % groups, axis=0)], axis=0)
+        if "encode_split" not in self._decoders:
+            self._decoders["encode_split"] = sequence.SplitRunner(
+                strategy, lambda ids: self.encode(ids, training=False))
+        memory, mask = self._decoders["encode_split"](src)
+        return memory[:rows], mask[:rows]
+
+    def _search(self, memory, memory_mask, beam_size, alpha, max_length):
+        memory = self.memory_cache(memory, memory_mask)
         if beam_size > 1:
             # Row b*K + k is beam k of source b, and beams never change source:
             # the encoder's part is repeated once, only the self-attention cache
             # is reordered each step.
             memory = tf.nest.map_structure(lambda t: tf.repeat(t, beam_size, axis=0), memory)
         step = functools.partial(self.decode_step, memory=memory)
-        batch = tf.shape(source_ids)[0]
+        batch = tf.shape(memory_mask)[0]
         start, cache = tf.fill([batch], BOS_ID), self.initial_cache(batch, max_length)
         if beam_size == 1:
             return decoding.greedy_search(step, start, cache, max_length, EOS_ID)[0]

@@ -9,7 +9,9 @@
 - `split_sequences(dataset, mesh)`: global batches rewritten so that a
   strategy's row split gives every device of a row group its own tokens
   (zig-zag); `merge_sequences` undoes it for `predict`'s outputs;
-  `token_positions` gives a layer its tokens' global positions.
+  `token_positions` gives a layer its tokens' global positions;
+  `SplitRunner` runs per-token work (an encoder) on every device's share
+  and merges its outputs.
 
 Layers: `ShardedAttention(..., sequence_method="ring" | "ulysses")` attends
 over the split sequence wherever the ambient mesh's layout maps `length`.
@@ -19,7 +21,7 @@ See docs/sequence.md.
 
 from typing import Optional
 
-from tfdist.sequence.data import merge_sequences, split_sequences
+from tfdist.sequence.data import SplitRunner, merge_sequences, split_sequences
 from tfdist.sequence.ring import ring_attention, ring_rounds
 from tfdist.sequence.split import (
     SequenceSplit,
@@ -27,6 +29,7 @@ from tfdist.sequence.split import (
     length_axis,
     local_positions,
     local_tokens,
+    sequence_axis,
     token_positions,
 )
 from tfdist.sequence.ulysses import ulysses_attention
@@ -42,6 +45,6 @@ def sequence_attention(q, k, v, axis: Optional[str], method: str = "ring", **kwa
     return METHODS[method](q, k, v, axis, **kwargs)
 
 
-__all__ = ["SequenceSplit", "global_tokens", "length_axis", "local_positions", "local_tokens",
-           "merge_sequences", "ring_attention", "ring_rounds", "sequence_attention",
+__all__ = ["SequenceSplit", "SplitRunner", "global_tokens", "length_axis", "local_positions",
+           "local_tokens", "merge_sequences", "ring_attention", "ring_rounds", "sequence_attention", "sequence_axis",
            "split_sequences", "token_positions", "ulysses_attention"]

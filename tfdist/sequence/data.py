@@ -17,7 +17,8 @@ the P devices of the row group. Keras's losses then see matching local
 add up to one device's mean over the global batch.
 
 `merge_sequences` turns what `predict` returns (every device's local rows,
-concatenated in device order) back into `[B, L, ...]`.
+concatenated in device order) back into `[B, L, ...]`; `SplitRunner` runs a
+per-token function (an encoder) on every device's share and merges its outputs.
 """
 
 import numpy as np
@@ -99,3 +100,42 @@ def merge_sequences(outputs, mesh):
         whole[:, zigzag] = tokens
         rows.append(whole)
     return np.concatenate(rows, axis=0)
+
+
+
+class SplitRunner:
+    """Runs `fn` on every device's rows and tokens of a batch; merges its outputs back.
+
+    Args:
+        strategy: a tfdist mesh strategy whose layout maps `length` (`strategy.mesh`).
+        fn: a replica function of the local `[B/R, L/P, ...]` inputs (a tensor or a
+            tuple of them) returning tensors `[B/R, L/P, ...]`: per-token work such as
+            an encoder's. Collectives over the sequence axis (ring or Ulysses
+            attention) run inside it.
+
+    Call on `[B, L, ...]` arrays (`B` a multiple of the row groups, devices / P;
+    `L` of `2 P`, as for `split_sequences`): `fn`'s outputs as numpy `[B, L, ...]`
+    in global token order. The step is traced once per input shape.
+    """
+
+    def __init__(self, strategy, fn):
+        self.strategy, self.mesh = strategy, strategy.mesh
+        self._step = tf.function(
+            lambda b: strategy.run(fn, args=b if isinstance(b, tuple) else (b,)),
+            reduce_retracing=True)
+
+    def __call__(self, inputs):
+        dataset = split_sequences(tf.data.Dataset.from_tensors(inputs), self.mesh)
+        batch = next(iter(self.strategy.experimental_distribute_dataset(dataset)))
+        return tf.nest.map_structure(self._merge, self._step(batch))
+
+    def _merge(self, value):
+        blocks = [np.asarray(v) for v in self.strategy.experimental_local_results(value)]
+        gather = getattr(self.strategy, "gather_local_results", None)
+        if gather is not None:  # replicas in several processes (Horovod)
+            blocks = gather(blocks)
+        if len(blocks) != self.mesh.shape.size:
+            raise ValueError(f"SplitRunner needs every device's output; this process sees "
+                             f"{len(blocks)} of mesh {self.mesh.shape}'s "
+                             f"{self.mesh.shape.size}.")
+        return merge_sequences(np.concatenate(blocks), self.mesh)
