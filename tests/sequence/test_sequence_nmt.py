@@ -76,6 +76,11 @@ def reference(data):
     ("seq:2;model:2", "length:seq;heads:model;d_ff:model;vocab:model", "ring"),
     # seq:2;model:2 with Ulysses: the MoE Transformer's test below (heads and vocabulary on
     # model; experts there instead of d_ff, which the ring case covers).
+    # Megatron sequence parallelism: length and heads on one axis; the model axis's
+    # devices hold the same rows, different tokens, and the attention core regroups the
+    # gathered token blocks into whole sequences.
+    ("model:2", "length:model;heads:model;d_ff:model;vocab:model", "ring"),
+    ("data:2;model:2", "batch:data;length:model;heads:model;d_ff:model;vocab:model", "ring"),
 ])
 def test_a_sequence_split_transformer_trains_like_one_device(data, reference, mesh, layout,
                                                              method):
@@ -174,6 +179,8 @@ def test_moe_groups_that_cross_a_zig_zag_chunk_are_refused():
     # An MoE in the encoder's second block: sources pad to a multiple of 2 P x group size.
     ("seq:2;model:2", "length:seq;heads:model;d_ff:model;vocab:model;experts:model", "ring",
      True),
+    # Megatron sequence parallelism: the attention core regroups the gathered tokens.
+    ("model:2", "length:model;heads:model;d_ff:model;vocab:model", "ring", False),
 ])
 def test_beam_search_encodes_the_source_over_the_split_sequence(monkeypatch, mesh, layout,
                                                                 method, moe):
@@ -198,6 +205,16 @@ def test_beam_search_encodes_the_source_over_the_split_sequence(monkeypatch, mes
     (src, _), _ = _pairs(3, seed=11)
     src = src[:, :7]
     split_calls = []
+    if mesh == "model:2":
+        from tfdist.layers.attention import ShardedAttention
+
+        attend_gathered = ShardedAttention._attend_gathered_tokens
+
+        def spy_gathered(self, q, k, v, axis, *args):
+            split_calls.append((axis, int(q.shape[2])))  # q: [b M, H / M, L / M, d_kv]
+            return attend_gathered(self, q, k, v, axis, *args)
+
+        monkeypatch.setattr(ShardedAttention, "_attend_gathered_tokens", spy_gathered)
     attend = sequence.METHODS[method]
 
     def spy(q, k, v, axis, **kwargs):
@@ -205,13 +222,14 @@ def test_beam_search_encodes_the_source_over_the_split_sequence(monkeypatch, mes
         return attend(q, k, v, axis, **kwargs)
 
     monkeypatch.setitem(sequence.METHODS, method, spy)
+    axis = "model" if mesh == "model:2" else "seq"
     for beam_size in (1, 3):
         ids = model.translate(src, beam_size=beam_size, max_length=LENGTH).numpy()
         np.testing.assert_array_equal(
             ids, plain.translate(src, beam_size=beam_size, max_length=LENGTH).numpy())
         # Every encoder attention call ran on the axis, on its share of the 8 padded
         # tokens (traced by the first translate; the second reuses the step).
-        assert split_calls and set(split_calls) == {("seq", LENGTH // 2)}, split_calls
+        assert split_calls and set(split_calls) == {(axis, LENGTH // 2)}, split_calls
     memory, mask = model.encode_split(tf.constant(src))
     expected_memory, expected_mask = plain.encode(tf.constant(src), training=False)
     np.testing.assert_array_equal(mask[:, :7], expected_mask.numpy())

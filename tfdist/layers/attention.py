@@ -11,6 +11,17 @@ replica's rows:
     query [b, Lq, d] -> all_gather -> [b*M, Lq, d] -> heads H/M -> [b*M, Lq, d] partial
                      -> reduce_scatter -> [b, Lq, d]
 
+Megatron sequence parallelism: where the layout maps `length` onto the heads'
+axis too (`length:model;heads:model`), the replicas of the axis hold the same
+rows and different tokens (zig-zag, `tfdist.sequence`). The same all-gather
+then brings every device the whole sequence of its rows (as `M` row blocks of
+`L/M` tokens, which the projections treat token by token); only the attention
+core regroups them into sequences, in device order, with the causal mask
+taken from the tokens' global positions. Norms, residuals and the
+feed-forward's elementwise work run on `L/M` tokens per device; the
+exchanges are the all-gather and reduce-scatter above (Megatron's
+`g`/`g-bar`), no all-reduce.
+
 Decoding (outside a replica: every weight reads globally) uses `project_kv`,
 `project_query` and `attend` with a key/value cache preallocated to the
 maximum length and written at one position per step (`write_cache`).
@@ -180,7 +191,10 @@ class ShardedAttention(keras.layers.Layer):
                                           axis, dim=0)
         k, v = self.project_kv(memory_all)
         length_axis = sequence.length_axis()
-        if length_axis is not None or self.attention_block:  # Lq, Lk: this device's tokens
+        if length_axis is not None and length_axis == axis:  # Megatron sequence parallelism
+            context = self._attend_gathered_tokens(self.project_query(query_all), k, v, axis,
+                                                   causal, mask, training)
+        elif length_axis is not None or self.attention_block:  # Lq, Lk: this device's tokens
             context = self._attend_split_sequence(self.project_query(query_all), k, v,
                                                   length_axis, causal, mask, training)
         else:
@@ -193,6 +207,41 @@ class ShardedAttention(keras.layers.Layer):
         # Partial sums over the local heads [b*M, Lq, d] -> [b, Lq, d]
         return collectives.reduce_scatter_partial_sums(
             _project_out, [context, tf.convert_to_tensor(self.output_kernel)], axis, dim=0)
+
+    def _attend_gathered_tokens(self, q, k, v, axis, causal, key_mask, training):
+        """`[b*M, H_local, Lq/M, d_kv]` attention of the `M` devices' token blocks
+        gathered over `axis` (which splits both `length` and `heads`): each row's
+        blocks regrouped into its whole sequence, in device (zig-zag) order."""
+        if training and self.dropout:
+            raise ValueError(
+                f"Layer {self.name!r}: attention dropout ({self.dropout}) with `length` and "
+                f"`heads` both split over mesh axis {axis!r} is not supported (one device's "
+                f"masks cannot be reproduced); set dropout=0.0 for the attention.")
+        parts = collectives.axis_size(axis)
+
+        def sequences(x):  # [M*b, H, L/M, ...] -> [b, H, L, ...], device m's tokens m-th
+            blocks = tf.reshape(x, tf.concat([[parts, -1], tf.shape(x)[1:]], 0))
+            blocks = tf.transpose(blocks, [1, 2, 0] + list(range(3, x.shape.rank + 1)))
+            return tf.reshape(blocks, tf.concat([tf.shape(blocks)[:2], [-1], tf.shape(x)[3:]],
+                                                0))
+
+        bias = None
+        if key_mask is not None:  # [M*b, Lk/M] -> [b, Lk]
+            blocks = tf.reshape(key_mask, [parts, -1, key_mask.shape[1]])
+            bias = padding_bias(tf.reshape(tf.transpose(blocks, [1, 0, 2]),
+                                           [tf.shape(blocks)[1], -1]))
+        if causal:  # the tokens' global positions, in device order
+            order = tf.constant(sequence.SequenceSplit(int(q.shape[2]) * parts, parts,
+                                                       balanced=True).order(), tf.int32)
+            hidden = tf.cast(order[None, :] > order[:, None], "float32") * NEG_INF
+            bias = hidden[None, None] if bias is None else bias + hidden[None, None]
+        core = recompute.remat(self.attend_context) if self.remat_core else self.attend_context
+        context = core(sequences(q), sequences(k), sequences(v), bias, training)
+        # [b, H, L, d_kv] -> [M*b, H, L/M, d_kv]: device m's tokens back in row block m.
+        shape = tf.shape(context)
+        blocks = tf.reshape(context, [shape[0], shape[1], parts, -1, shape[3]])
+        return tf.reshape(tf.transpose(blocks, [2, 0, 1, 3, 4]),
+                          [-1, shape[1], int(q.shape[2]), shape[3]])
 
     def _attend_split_sequence(self, q, k, v, axis, causal, key_mask, training):
         """`[b, H_local, Lq / P, d_kv]` blockwise attention, over a sequence split on mesh
