@@ -186,3 +186,24 @@ def test_keras_multi_head_attention_on_local_heads_matches_one_device(shape):
             optimizer=lambda: keras.optimizers.Adam(1e-2), batch_size=8, steps=10)
     assert shapes and not [s for s in shapes if len(s) == 5], shapes  # no head moves
     print(f"Keras MultiHeadAttention, heads split, {shape}: {report}")
+
+
+def test_the_sources_the_sequence_split_relies_on_are_the_installed_ones():
+    # LlamaAttention over a split sequence reads the keys' padding off the diagonal of
+    # the decoder's mask: where the decoder's mask source differs, the split is refused.
+    assert keras_hub_attention.split_sources_match()
+    from keras_hub.src.models.llama.llama_attention import LlamaAttention
+
+    assert keras_hub_attention.split_substitute(LlamaAttention) is (
+        keras_hub_attention.llama_split_attention)
+    keras_hub_attention.split_sources_match.cache_clear()
+    original = dict(keras_hub_attention.SPLIT_SOURCES)
+    try:
+        key = next(iter(original))
+        keras_hub_attention.SPLIT_SOURCES[key] = {"_compute_self_attention_mask": "0" * 64}
+        assert keras_hub_attention.split_substitute(LlamaAttention) is (
+            keras_hub_attention.unsupported_split_attention)
+    finally:
+        keras_hub_attention.SPLIT_SOURCES.clear()
+        keras_hub_attention.SPLIT_SOURCES.update(original)
+        keras_hub_attention.split_sources_match.cache_clear()

@@ -116,6 +116,14 @@ class ModelParallel(MeshStrategy):
             dimension divisible by N (a scalar, an odd-sized bias) and
             non-trainable variables stay replicated. Checkpoints hold global
             tensors, as always.
+        sequence_axis: a mesh axis (not the batch axis) to split every sequence
+            over (the logical axis `length`, `tfdist.sequence`): its devices hold
+            the same rows and different tokens (zig-zag). Feed batches through
+            `tfdist.sequence.split_sequences(dataset, strategy.mesh)`. keras-hub's
+            `LlamaAttention` attends over the whole sequence (ring or Ulysses,
+            rotary positions global); other attention layers are refused; every
+            other layer works token by token. Generation (a cache) is refused.
+        sequence_method: `"ring"` or `"ulysses"` attention over `sequence_axis`.
         **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
             `max_shapes`).
 
@@ -143,6 +151,8 @@ class ModelParallel(MeshStrategy):
         reshard_after_forward: bool = True,
         zero_stage: int = 0,
         prefetch: bool = False,
+        sequence_axis: Optional[str] = None,
+        sequence_method: str = "ring",
         **options,
     ):
         if device_mesh is None and layout_map is None:
@@ -158,6 +168,8 @@ class ModelParallel(MeshStrategy):
         # A tfdist model's layout map (`RulesLayoutMap`) carries its layout rules:
         # tfdist's layers then compute on their shards with the same layouts.
         rules = getattr(layout_map, "layout_rules", LayoutRules(()))
+        if sequence_axis is not None:
+            rules = _with_sequence_axis(rules, sequence_axis, sequence_method, layouts)
         rules.check_mesh(layouts.mesh_shape)
         install_layout_map_hooks()
         super().__init__(Mesh(layouts.mesh_shape, rules), devices=devices,
@@ -165,9 +177,26 @@ class ModelParallel(MeshStrategy):
         self.device_mesh = device_mesh
         self.layout_map = layout_map
         self.batch_dim_name = layouts.batch_axis
+        self.sequence_axis, self.sequence_method = sequence_axis, sequence_method
 
     def __repr__(self):
         return f"ModelParallel(mesh {self.mesh.shape}, batch_dim_name={self.batch_dim_name!r})"
+
+
+def _with_sequence_axis(rules: LayoutRules, axis: str, method: str, layouts) -> LayoutRules:
+    """`rules` with `length:axis`, checked: a mesh axis other than the batch's, a known method."""
+    from tfdist import sequence
+
+    names = list(layouts.mesh_shape.names)
+    if axis not in names or axis == layouts.batch_axis:
+        raise ValueError(f"sequence_axis={axis!r} must be an axis of the DeviceMesh other than "
+                         f"the batch axis {layouts.batch_axis!r}; the mesh's axes are {names}.")
+    if method not in sequence.METHODS:
+        raise ValueError(f"sequence_method={method!r} is not one of {sorted(sequence.METHODS)}.")
+    if rules.mesh_axis("length") not in (None, axis):
+        raise ValueError(f"The layout map puts `length` on {rules.mesh_axis('length')!r}, not "
+                         f"sequence_axis={axis!r}.")
+    return LayoutRules(tuple(r for r in rules.rules if r[0] != "length") + (("length", axis),))
 
 
 class DataParallel(ModelParallel):

@@ -322,6 +322,12 @@ HOOKS: Tuple[Hook, ...] = (
          "mirrored", _ATTENTION, "mirrored on a device's heads: no exchange within attention",
          "4e692b3fd360790b138b5fcd90d6fdd2da0d2f476d2d02af4b38c31c753e2476",
          tests=_ATTENTION_TESTS),
+    Hook("keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder"
+         "._compute_self_attention_mask", "keras_hub", "relied on", _ATTENTION,
+         "over a sequence split: the padding and causal masks' minimum, whose diagonal is "
+         "the keys' padding",
+         "1e3e6dcbc82dfd0f9ca3fd54319992c9bb217b83ed63f8f0773f337a9932f7a2",
+         tests=_ATTENTION_TESTS + ("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.qwen_moe.qwen_moe_decoder.compute_load_balancing_loss",
          "keras_hub", "replaced", (_I + "keras_hub_moe_loss",),
          "the MoE load-balancing loss over every replica's tokens",

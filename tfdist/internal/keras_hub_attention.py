@@ -27,6 +27,16 @@ as many in the backward pass. Paired, as Megatron-LM pairs attention:
         -> output projection contracted with the kernel's heads [H/M, h, d]
         -> reduce_scatter over A -> [b, t, d]
 
+Over a sequence split (the mesh's layout maps `length`; `ModelParallel(...,
+sequence_axis=...)`), `split_substitute(cls)` computes the layer's call on
+this device's tokens instead: `LlamaAttention`'s projections and rotary
+embedding (at the tokens' global positions) run as keras-hub wrote them, the
+core is `tfdist.sequence`'s ring or Ulysses attention, causal, with the
+padding of the keys read off the diagonal of the decoder's local mask (its
+padding and causal masks multiplied: `mask[i, i]` is key `i`'s padding).
+Gemma's and Keras's attention raise there (not yet supported), rather than
+attend within each device's tokens.
+
 Grouped queries stay grouped: device j holds query heads j*H/M.. and key/value
 heads j*K/M.., so its query heads' groups are exactly its key/value heads (a
 layout can split K over M only where M divides it; with key and value not
@@ -226,6 +236,79 @@ def keras_attention(layer, pair, axis, query, value, key=None, query_mask=None,
     if query_mask is not None:
         backend.set_keras_mask(output, query_mask)
     return output
+
+
+def llama_split_attention(layer, axis, method, hidden_states, attention_mask=None, cache=None,
+                          cache_update_index=None, training=None):
+    """`LlamaAttention.call` on this device's tokens of a sequence split over mesh axis `axis`
+    (zig-zag, `tfdist.sequence.split_sequences`): causal ring or Ulysses attention
+    (`method`) over the whole sequence, rotary positions global."""
+    from keras import ops
+
+    from tfdist import sequence
+
+    what = ("a key/value cache (decoding)" if cache is not None or cache_update_index is not None
+            else f"attention dropout ({layer.dropout})" if layer.dropout and training
+            else "vLLM serving" if _vllm_serving()
+            else "no attention mask (LlamaBackbone's decoder always passes one)"
+            if attention_mask is None else None)
+    if what:
+        raise ValueError(f"Layer {layer.name!r} ({type(layer).__name__}) over a sequence split "
+                         f"on mesh axis {axis!r}: {what} is not supported there; train and "
+                         f"evaluate under the split, generate on a mesh without one.")
+    positions = sequence.token_positions(int(hidden_states.shape[1]))
+    query = layer.rotary_embedding_layer(layer._query_dense(hidden_states), positions=positions)
+    key = layer.rotary_embedding_layer(layer._key_dense(hidden_states), positions=positions)
+    value = layer._value_dense(hidden_states)
+    # The decoder's local mask is padding[:, None, :] * causal: its diagonal is the
+    # keys' padding (the causal part is rebuilt over the whole sequence).
+    key_mask = tf.linalg.diag_part(tf.cast(tf.stop_gradient(attention_mask), query.dtype))
+    vectors = sequence.sequence_attention(query, key, value, axis, method=method, causal=True,
+                                          key_mask=key_mask, balanced=True,
+                                          scale=float(layer._inv_norm_factor))
+    return layer._output_dense(ops.cast(vectors, layer.compute_dtype))
+
+
+def unsupported_split_attention(layer, axis, method, *args, **kwargs):
+    raise ValueError(
+        f"Layer {layer.name!r} ({type(layer).__name__}) attends over the whole sequence, "
+        f"which mesh axis {axis!r} splits (the layout's `length`); tfdist computes "
+        f"{', '.join(sorted(SPLIT_SUBSTITUTES))} over a split sequence, not this layer yet. "
+        f"Use a mesh without a sequence axis for this model.")
+
+
+# Attention classes (by name) -> their call over a sequence split.
+SPLIT_SUBSTITUTES = {"LlamaAttention": llama_split_attention}
+
+# What the split substitutes rely on besides the attention's own call: the decoder builds
+# the attention mask as the padding and causal masks' minimum (its diagonal: the padding).
+SPLIT_SOURCES = {
+    ("keras_hub.src.models.llama.llama_decoder", "LlamaTransformerDecoder"): {
+        "_compute_self_attention_mask":
+            "1e3e6dcbc82dfd0f9ca3fd54319992c9bb217b83ed63f8f0773f337a9932f7a2",
+    },
+}
+
+
+@functools.cache
+def split_sources_match() -> bool:
+    """Whether the installed keras-hub's sources in `SPLIT_SOURCES` are the ones relied on."""
+    for (module, name), methods in SPLIT_SOURCES.items():
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return False
+        if any(fingerprint(cls, method) != sha for method, sha in methods.items()):
+            return False
+    return True
+
+
+def split_substitute(cls):
+    """The function computing `cls`'s call over a split sequence (one that raises a clear
+    error where tfdist has none, or where the sources it relies on differ)."""
+    if not split_sources_match():
+        return unsupported_split_attention
+    return SPLIT_SUBSTITUTES.get(cls.__name__, unsupported_split_attention)
 
 
 def _gathered_mask(mask, axis):

@@ -394,12 +394,31 @@ def attach(layer) -> None:
     this module or `keras_tp_pairs` computes (idempotent; other layers are left alone)."""
     if not isinstance(layer, keras.layers.Layer) or "call" in vars(layer):
         return
+    _refuse_attention_over_a_split(layer)
     resolved = type(layer).call
     for original, dispatcher in _entries():
         if resolved is original:
             # `object.__setattr__`: a plain attribute, kept out of Keras's tracking.
             object.__setattr__(layer, "call", types.MethodType(dispatcher, layer))
             return
+
+
+def _refuse_attention_over_a_split(layer) -> None:
+    """Raises for an attention layer tfdist cannot compute over the mesh's sequence split:
+    its own call would attend within each device's tokens only."""
+    from tfdist import runtime, sequence
+
+    axis = sequence.sequence_axis(runtime.current_mesh())
+    if (axis is None or "Attention" not in type(layer).__name__
+            or type(layer).__module__.startswith("tfdist.")):  # tfdist's own: split-aware
+        return
+    from tfdist.internal import keras_hub_attention
+
+    cls = type(layer)
+    if (cls not in keras_hub_attention.attention_classes()
+            or keras_hub_attention.split_substitute(cls)
+            is keras_hub_attention.unsupported_split_attention):
+        keras_hub_attention.unsupported_split_attention(layer, axis, None)
 
 
 def attach_to_layers_being_built() -> None:

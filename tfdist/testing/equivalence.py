@@ -276,7 +276,15 @@ def compare_with_reference(
     forward = 0.0
     x1, y1 = _rows(x, batch_size), _rows(y, batch_size)
     if compare_outputs:
-        outputs = tf.nest.flatten(model.predict(x1, batch_size=batch_size, verbose=0))
+        mesh = _length_split(strategy)
+        if mesh is not None:  # every device its tokens; outputs merged back into sequences
+            from tfdist.sequence import merge_sequences, split_sequences
+
+            local = model.predict(split_sequences(
+                tf.data.Dataset.from_tensor_slices(x1).batch(batch_size), mesh), verbose=0)
+            outputs = [merge_sequences(o, mesh) for o in tf.nest.flatten(local)]
+        else:
+            outputs = tf.nest.flatten(model.predict(x1, batch_size=batch_size, verbose=0))
         _same_length("outputs", outputs, tf.nest.flatten(ref.outputs))
         forward = max(max_rel_diff(a, b) for a, b in zip(outputs, tf.nest.flatten(ref.outputs)))
     loss_value, added, grads = _global_gradients(strategy, model, loss, x1, y1)
