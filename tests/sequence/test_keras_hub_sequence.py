@@ -1,9 +1,11 @@
-"""keras-hub's Llama under `ModelParallel(..., sequence_axis=...)` trains like one device.
+"""keras-hub's Llama and Gemma under `ModelParallel(..., sequence_axis=...)` train like one
+device.
 
 Every sequence is split over the mesh axis (zig-zag, `split_sequences`): the
 embedding, norms and feed-forward run on each device's tokens,
 `LlamaAttention` attends over the whole causal sequence (ring or Ulysses) with
-rotary positions at the tokens' global positions and the keys' padding. The
+rotary positions at the tokens' global positions and the keys' padding (Gemma's
+attention too, with its query scaling and wiping). The
 reference is the same unmodified model on one device (keras-hub's own dense
 attention over whole sequences): loss, gradients and weights after 10 Adam
 steps must agree.
@@ -20,8 +22,12 @@ from tfdist.testing.equivalence import assert_equivalent, run_reference
 VOCAB, LENGTH, ROWS = 64, 8, 40
 
 
+BACKBONES = {"llama": (keras_hub.models.LlamaBackbone, {}),
+             "gemma": (keras_hub.models.GemmaBackbone, {"head_dim": 4})}
+
+
 def language_model(cls=keras_hub.models.LlamaBackbone, **extra):
-    """A one-layer Llama with grouped queries, logits from its reversible embedding."""
+    """A one-layer backbone with grouped queries, logits from its reversible embedding."""
     backbone = cls(vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
                    num_key_value_heads=2, hidden_dim=16, intermediate_dim=32, name="backbone",
                    **extra)
@@ -45,25 +51,41 @@ TRAINING = dict(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True
 
 
 @pytest.fixture(scope="module")
-def reference(data):
-    return run_reference(language_model, *data, reference=language_model, **TRAINING)
+def references(data):
+    """One device's run per backbone, computed once."""
+    runs = {}
+
+    def reference(name):
+        if name not in runs:
+            build = _builder(name)
+            runs[name] = run_reference(build, *data, reference=build, **TRAINING)
+        return runs[name]
+
+    return reference
 
 
-@pytest.mark.parametrize("shape, axes, method, layout_map", [
-    ((1, 2), ("batch", "seq"), "ring", False),
-    ((2, 2), ("batch", "seq"), "ulysses", False),
-    # With Llama's own layout map: heads and the feed-forward split over `model` too.
-    ((1, 2, 2), ("batch", "model", "seq"), "ring", True),
+def _builder(name):
+    cls, extra = BACKBONES[name]
+    return lambda: language_model(cls, **extra)
+
+
+@pytest.mark.parametrize("name, shape, axes, method, layout_map", [
+    ("llama", (1, 2), ("batch", "seq"), "ring", False),
+    ("llama", (2, 2), ("batch", "seq"), "ulysses", False),
+    # With the backbone's own layout map: heads and the feed-forward split over `model` too.
+    ("llama", (1, 2, 2), ("batch", "model", "seq"), "ring", True),
+    ("gemma", (1, 2), ("batch", "seq"), "ring", False),
+    ("gemma", (1, 2, 2), ("batch", "model", "seq"), "ulysses", True),
 ])
-def test_llama_over_a_split_sequence_trains_like_one_device(data, reference, monkeypatch,
-                                                             shape, axes, method, layout_map):
+def test_a_backbone_over_a_split_sequence_trains_like_one_device(
+        data, references, monkeypatch, name, shape, axes, method, layout_map):
     from tfdist import sequence
 
     n = int(np.prod(shape))
     mesh = td.DeviceMesh(shape, axes, [f"cpu:{i}" for i in range(n)])
     strategy = td.ModelParallel(
         device_mesh=mesh, batch_dim_name="batch", sequence_axis="seq", sequence_method=method,
-        layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh) if layout_map else None)
+        layout_map=BACKBONES[name][0].get_layout_map(mesh) if layout_map else None)
     calls = []
     attend = sequence.METHODS[method]
 
@@ -72,19 +94,21 @@ def test_llama_over_a_split_sequence_trains_like_one_device(data, reference, mon
         return attend(q, k, v, axis, **kwargs)
 
     monkeypatch.setitem(sequence.METHODS, method, spy)
-    report = assert_equivalent(language_model, strategy, *data, reference=language_model,
-                               reference_run=reference, rtol=1e-5, **TRAINING)
+    build = _builder(name)
+    report = assert_equivalent(build, strategy, *data, reference=build,
+                               reference_run=references(name), rtol=1e-5, **TRAINING)
     assert calls and set(calls) == {("seq", LENGTH // 2, True)}, calls
-    print(f"llama {shape} {axes} {method}: {report}")
+    print(f"{name} {shape} {axes} {method}: {report}")
 
 
 def test_attention_tfdist_cannot_split_is_refused_when_built():
     mesh = td.DeviceMesh((1, 2), ("batch", "seq"), ["cpu:0", "cpu:1"])
     strategy = td.ModelParallel(device_mesh=mesh, batch_dim_name="batch", sequence_axis="seq")
     with strategy.scope():
-        with pytest.raises(ValueError, match=r"\(CachedGemmaAttention\) attends over the whole "
+        with pytest.raises(ValueError, match=r"\(MultiHeadAttention\) attends over the whole "
                                              r"sequence, which mesh axis 'seq' splits"):
-            language_model(keras_hub.models.GemmaBackbone, head_dim=4)
+            keras.layers.MultiHeadAttention(2, 4)(keras.ops.ones((1, 4, 8)),
+                                                  keras.ops.ones((1, 4, 8)))
 
     class WindowAttention(keras.layers.Layer):  # a user's own: tfdist cannot know its mixing
         def build(self, shape):
@@ -109,3 +133,21 @@ def test_bad_sequence_arguments_name_the_value(kwargs, match):
     mesh = td.DeviceMesh((1, 2), ("batch", "seq"), ["cpu:0", "cpu:1"])
     with pytest.raises(ValueError, match=match):
         td.ModelParallel(device_mesh=mesh, batch_dim_name="batch", **kwargs)
+
+
+def test_gemma2_options_are_refused_over_a_split_sequence(data):
+    mesh = td.DeviceMesh((1, 2), ("batch", "seq"), ["cpu:0", "cpu:1"])
+    strategy = td.ModelParallel(device_mesh=mesh, batch_dim_name="batch", sequence_axis="seq")
+    with strategy.scope():
+        model = language_model(keras_hub.models.GemmaBackbone, head_dim=4,
+                               attention_logit_soft_cap=50.0)
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    from tfdist.sequence import split_sequences
+    import tensorflow as tf
+
+    dataset = split_sequences(tf.data.Dataset.from_tensor_slices(data).batch(4).take(1),
+                              strategy.mesh)
+    with pytest.raises(ValueError, match=r"over a sequence split on mesh axis 'seq': attention "
+                                         r"logits soft-capped \(Gemma 2\) is not supported"):
+        model.fit(dataset, verbose=0)

@@ -120,9 +120,10 @@ class ModelParallel(MeshStrategy):
             over (the logical axis `length`, `tfdist.sequence`): its devices hold
             the same rows and different tokens (zig-zag). Feed batches through
             `tfdist.sequence.split_sequences(dataset, strategy.mesh)`. keras-hub's
-            `LlamaAttention` attends over the whole sequence (ring or Ulysses,
-            rotary positions global); other attention layers are refused; every
-            other layer works token by token. Generation (a cache) is refused.
+            `LlamaAttention` and `CachedGemmaAttention` attend over the whole
+            sequence (ring or Ulysses, rotary positions global); other attention
+            layers are refused; every other layer works token by token.
+            Generation (a cache) is refused.
         sequence_method: `"ring"` or `"ulysses"` attention over `sequence_axis`.
         **options: `MeshStrategy` options (`collective_timeout`, `bucket_bytes`,
             `max_shapes`).

@@ -328,6 +328,12 @@ HOOKS: Tuple[Hook, ...] = (
          "the keys' padding",
          "1e3e6dcbc82dfd0f9ca3fd54319992c9bb217b83ed63f8f0773f337a9932f7a2",
          tests=_ATTENTION_TESTS + ("tests/sequence/test_keras_hub_sequence.py",)),
+    Hook("keras_hub.src.models.gemma.gemma_decoder_block.GemmaDecoderBlock"
+         "._compute_attention_mask", "keras_hub", "relied on", _ATTENTION,
+         "over a sequence split: the padding and causal masks' minimum, whose diagonal is "
+         "the keys' padding",
+         "2475d988fbec3f0dc0b060213eeb5f72672e3f75442ddfbdb8260a6e220465bd",
+         tests=_ATTENTION_TESTS + ("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.qwen_moe.qwen_moe_decoder.compute_load_balancing_loss",
          "keras_hub", "replaced", (_I + "keras_hub_moe_loss",),
          "the MoE load-balancing loss over every replica's tokens",

@@ -29,13 +29,14 @@ as many in the backward pass. Paired, as Megatron-LM pairs attention:
 
 Over a sequence split (the mesh's layout maps `length`; `ModelParallel(...,
 sequence_axis=...)`), `split_substitute(cls)` computes the layer's call on
-this device's tokens instead: `LlamaAttention`'s projections and rotary
-embedding (at the tokens' global positions) run as keras-hub wrote them, the
-core is `tfdist.sequence`'s ring or Ulysses attention, causal, with the
-padding of the keys read off the diagonal of the decoder's local mask (its
-padding and causal masks multiplied: `mask[i, i]` is key `i`'s padding).
-Gemma's and Keras's attention raise there (not yet supported), rather than
-attend within each device's tokens.
+this device's tokens instead: `LlamaAttention`'s and `CachedGemmaAttention`'s
+projections and rotary embedding (at the tokens' global positions) run as
+keras-hub wrote them, the core is `tfdist.sequence`'s ring or Ulysses
+attention, causal, with the padding of the keys read off the diagonal of the
+decoder's local mask (the minimum of its padding and causal masks: `mask[i, i]`
+is key `i`'s padding). Gemma 2's soft cap and sliding window and Keras's
+attention raise there (not yet supported), rather than attend within each
+device's tokens.
 
 Grouped queries stay grouped: device j holds query heads j*H/M.. and key/value
 heads j*K/M.., so its query heads' groups are exactly its key/value heads (a
@@ -238,6 +239,31 @@ def keras_attention(layer, pair, axis, query, value, key=None, query_mask=None,
     return output
 
 
+def _refuse_in_split(layer, axis, cache, cache_update_index, training, attention_mask,
+                     extra=None):
+    what = ("a key/value cache (decoding)" if cache is not None or cache_update_index
+            else f"attention dropout ({layer.dropout})" if layer.dropout and training
+            else "vLLM serving" if _vllm_serving()
+            else "no attention mask (the keras-hub decoder always passes one)"
+            if attention_mask is None else extra)
+    if what:
+        raise ValueError(f"Layer {layer.name!r} ({type(layer).__name__}) over a sequence split "
+                         f"on mesh axis {axis!r}: {what} is not supported there; train and "
+                         f"evaluate under the split, generate on a mesh without one.")
+
+
+def _split_core(query, key, value, attention_mask, axis, method, scale):
+    """Causal ring / Ulysses attention of this device's tokens `[b, t, H, h]`; the keys'
+    padding is the diagonal of the decoder's local mask (padding and causal masks'
+    minimum, `SPLIT_SOURCES`)."""
+    from tfdist import sequence
+
+    key_mask = tf.linalg.diag_part(tf.cast(tf.stop_gradient(attention_mask), query.dtype))
+    vectors = sequence.sequence_attention(query, key, value, axis, method=method, causal=True,
+                                          key_mask=key_mask, balanced=True, scale=scale)
+    return vectors, key_mask
+
+
 def llama_split_attention(layer, axis, method, hidden_states, attention_mask=None, cache=None,
                           cache_update_index=None, training=None):
     """`LlamaAttention.call` on this device's tokens of a sequence split over mesh axis `axis`
@@ -247,26 +273,44 @@ def llama_split_attention(layer, axis, method, hidden_states, attention_mask=Non
 
     from tfdist import sequence
 
-    what = ("a key/value cache (decoding)" if cache is not None or cache_update_index is not None
-            else f"attention dropout ({layer.dropout})" if layer.dropout and training
-            else "vLLM serving" if _vllm_serving()
-            else "no attention mask (LlamaBackbone's decoder always passes one)"
-            if attention_mask is None else None)
-    if what:
-        raise ValueError(f"Layer {layer.name!r} ({type(layer).__name__}) over a sequence split "
-                         f"on mesh axis {axis!r}: {what} is not supported there; train and "
-                         f"evaluate under the split, generate on a mesh without one.")
+    _refuse_in_split(layer, axis, cache, cache_update_index is not None, training,
+                     attention_mask)
     positions = sequence.token_positions(int(hidden_states.shape[1]))
     query = layer.rotary_embedding_layer(layer._query_dense(hidden_states), positions=positions)
     key = layer.rotary_embedding_layer(layer._key_dense(hidden_states), positions=positions)
     value = layer._value_dense(hidden_states)
-    # The decoder's local mask is padding[:, None, :] * causal: its diagonal is the
-    # keys' padding (the causal part is rebuilt over the whole sequence).
-    key_mask = tf.linalg.diag_part(tf.cast(tf.stop_gradient(attention_mask), query.dtype))
-    vectors = sequence.sequence_attention(query, key, value, axis, method=method, causal=True,
-                                          key_mask=key_mask, balanced=True,
-                                          scale=float(layer._inv_norm_factor))
+    vectors, _ = _split_core(query, key, value, attention_mask, axis, method,
+                             float(layer._inv_norm_factor))
     return layer._output_dense(ops.cast(vectors, layer.compute_dtype))
+
+
+def gemma_split_attention(layer, axis, method, x, attention_mask=None, cache=None,
+                          cache_update_index=0, training=False):
+    """`CachedGemmaAttention.call` on this device's tokens of a sequence split over `axis`:
+    rotary positions global (Gemma's layout of them), queries scaled as Gemma scales them,
+    causal ring or Ulysses attention, and the vectors of queries that see no valid key
+    wiped, as Gemma wipes them (from the keys' padding over the whole sequence)."""
+    from keras import ops
+
+    from tfdist import sequence
+
+    _refuse_in_split(layer, axis, cache, bool(cache_update_index), training, attention_mask,
+                     "attention logits soft-capped (Gemma 2)" if layer.logit_soft_cap
+                     is not None else "a sliding window (Gemma 2)"
+                     if layer.use_sliding_window_attention else None)
+    positions = sequence.token_positions(int(x.shape[1]))
+    query = layer._apply_rope(layer.query_dense(x), 0, positions=positions)
+    key = layer._apply_rope(layer.key_dense(x), 0, positions=positions)
+    value = layer.value_dense(x)
+    scale = (1 / np.sqrt(layer.head_dim) if layer.query_head_dim_normalize
+             else 1 / np.sqrt(layer.hidden_dim // layer.num_query_heads))
+    vectors, key_mask = _split_core(query, key, value, attention_mask, axis, method,
+                                    float(scale))
+    # A query sees a valid key iff one is at or before it in the whole sequence.
+    seen = tf.cumsum(sequence.global_tokens(key_mask, axis, dim=1, balanced=True), axis=1)
+    local = sequence.local_tokens(seen, axis, dim=1, balanced=True)
+    vectors = tf.where((local > 0)[:, :, None, None], vectors, tf.zeros_like(vectors))
+    return layer.output_dense(ops.cast(vectors, layer.compute_dtype))
 
 
 def unsupported_split_attention(layer, axis, method, *args, **kwargs):
@@ -278,7 +322,8 @@ def unsupported_split_attention(layer, axis, method, *args, **kwargs):
 
 
 # Attention classes (by name) -> their call over a sequence split.
-SPLIT_SUBSTITUTES = {"LlamaAttention": llama_split_attention}
+SPLIT_SUBSTITUTES = {"LlamaAttention": llama_split_attention,
+                     "CachedGemmaAttention": gemma_split_attention}
 
 # What the split substitutes rely on besides the attention's own call: the decoder builds
 # the attention mask as the padding and causal masks' minimum (its diagonal: the padding).
@@ -286,6 +331,10 @@ SPLIT_SOURCES = {
     ("keras_hub.src.models.llama.llama_decoder", "LlamaTransformerDecoder"): {
         "_compute_self_attention_mask":
             "1e3e6dcbc82dfd0f9ca3fd54319992c9bb217b83ed63f8f0773f337a9932f7a2",
+    },
+    ("keras_hub.src.models.gemma.gemma_decoder_block", "GemmaDecoderBlock"): {
+        "_compute_attention_mask":
+            "2475d988fbec3f0dc0b060213eeb5f72672e3f75442ddfbdb8260a6e220465bd",
     },
 }
 
