@@ -139,7 +139,25 @@ def test_sequence_candidates_put_length_on_a_seq_axis_beside_every_data_by_model
            for m, method in sequence_meshes(("d_model", "heads"), 4, methods=("ring",))]
     assert got == [("data:2;seq:2;model:1", "batch:data;length:seq", "ring"),
                    ("data:1;seq:2;model:2", "batch:data;heads:model;length:seq", "ring"),
-                   ("data:1;seq:4;model:1", "batch:data;length:seq", "ring")]
+                   ("data:1;seq:4;model:1", "batch:data;length:seq", "ring"),
+                   # Megatron sequence parallelism: length on the heads' model axis
+                   ("data:2;model:2", "batch:data;heads:model;length:model", None),
+                   ("data:1;model:4", "batch:data;heads:model;length:model", None)]
+
+
+def test_one_long_row_plans_tensor_parallelism_only_with_megatron_sequence_parallelism():
+    """A batch of one row cannot split its rows over a model axis; with its tokens split
+    over the heads' axis (length:model) it can, and an MoE over a split is planned too."""
+    config = TransformerConfig(vocab_size=256, d_model=64, num_heads=4, d_kv=16, d_ff=128,
+                               num_encoder_layers=1, num_decoder_layers=2, max_length=64,
+                               dropout=0.0, moe_experts=4, moe_group_size=4)
+    plan = tfdist_plan(config, 2, global_batch=1, length=64, calibration=calibration(),
+                       pipeline=False)
+    layouts = {(str(c.mesh.shape), str(c.mesh.rules), c.sequence_method) for c in plan.ranked}
+    assert ("data:1;model:2", "batch:data;heads:model;length:model", None) in layouts
+    assert ("data:1;seq:2;model:1", "batch:data;length:seq", "ring") in layouts
+    # Without a length split one row fits no 2-device layout.
+    assert all("length" in rules for _, rules, _ in layouts), layouts
 
 
 def test_long_sequences_that_do_not_fit_whole_plan_a_sequence_split():
@@ -155,16 +173,24 @@ def test_long_sequences_that_do_not_fit_whole_plan_a_sequence_split():
     assert plan.best.mesh.mesh_axis("length") == "seq"
     assert f"--sequence_method={plan.best.sequence_method}" in plan.best.flags
     assert f"({plan.best.sequence_method})" in plan.table()
-    whole = [c for c in plan.too_big if c.sequence_method is None]
+    whole = [c for c in plan.too_big if c.mesh.mesh_axis("length") is None]
     assert len(whole) == 15  # data:4, and heads, d_ff, vocab combined on model:2 and model:4
+    # Megatron sequence parallelism keeps the dense scores ([b, H/M, L, L] for b rows of
+    # M times as many local tokens: the same bytes): too big as well.
+    megatron_sp = [c for c in plan.too_big if c.mesh.mesh_axis("length") == "model"]
+    assert len(megatron_sp) == 8  # the combinations with heads on model:2 and model:4
     # the blockwise kernel keeps no scores: a split sequence's activations are far smaller
     assert max(c.memory.activations for c in plan.ranked) * 4 < \
         min(c.memory.activations for c in whole)
     two_rows = tfdist_plan(config, 4, global_batch=2, length=2048, calibration=calibration(),
                            pipeline=False)
+    # (and Megatron sequence parallelism over model:2 beside data:2, or model:4: its
+    # model axis holds the same rows)
     assert {str(c.mesh.shape) for c in two_rows.ranked} == {"data:2;seq:2;model:1",
                                                             "data:1;seq:2;model:2",
-                                                            "data:1;seq:4;model:1"}
+                                                            "data:1;seq:4;model:1",
+                                                            "data:2;model:2", "data:1;model:4"}
+    assert all(c.mesh.mesh_axis("length") is not None for c in two_rows.ranked)
     reasons = dict(two_rows.invalid)
     assert "global_batch=2 does not divide over the 4 devices" in reasons[
         "mesh data:4;model:1 with layout batch:data"]

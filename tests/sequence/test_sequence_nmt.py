@@ -173,8 +173,8 @@ def test_moe_groups_that_cross_a_zig_zag_chunk_are_refused():
         strategy.run(lambda: layer(x, training=True))
 
 
+# (seq:2 ring alone: the seq:2;model:2 case runs the ring with padded rows and an MoE.)
 @pytest.mark.parametrize("mesh, layout, method, moe", [
-    ("seq:2", "length:seq", "ring", False),
     ("data:2;seq:2", "batch:data;length:seq", "ulysses", False),
     # An MoE in the encoder's second block: sources pad to a multiple of 2 P x group size.
     ("seq:2;model:2", "length:seq;heads:model;d_ff:model;vocab:model;experts:model", "ring",

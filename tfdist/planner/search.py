@@ -17,7 +17,8 @@ whose replicas must hold equal rows (the slowest sets the pace).
 
 A sequence candidate (`sequence_meshes`) adds a `seq` axis of P devices with
 `length:seq` to a `data x model` mesh of the other N / P, and names its
-attention (`sequence_method`: ring or Ulysses).
+attention (`sequence_method`: ring or Ulysses); or puts `length` on the model
+axis that splits the heads (Megatron sequence parallelism, no method).
 
 Those that fit `memory_per_device` are ranked by predicted step time.
 """
@@ -130,7 +131,9 @@ def sequence_meshes(logical_axes: Sequence[str], num_devices: int,
                     methods: Sequence[str] = ("ring", "ulysses")) -> List[Tuple[Mesh, str]]:
     """`(mesh, sequence_method)` for every `seq` axis of P > 1 devices dividing
     `num_devices`, over every `data x model` mesh of the other N / P (`meshes`):
-    `data:D;seq:P;model:A` with `length:seq` added to the rules, once per method."""
+    `data:D;seq:P;model:A` with `length:seq` added to the rules, once per method;
+    and `(mesh, None)` for every `data x model` mesh over all N whose `model` axis
+    splits the heads, with `length:model` (Megatron sequence parallelism)."""
     out = []
     for parts in (p for p in range(2, num_devices + 1) if num_devices % p == 0):
         for base in meshes(logical_axes, num_devices // parts):
@@ -138,6 +141,12 @@ def sequence_meshes(logical_axes: Sequence[str], num_devices: int,
             mesh = Mesh.parse(f"data:{data};seq:{parts};model:{model}",
                               f"{base.rules};length:seq")
             out.extend((mesh, method) for method in methods)
+    # Megatron sequence parallelism: `length` on the model axis that splits the heads (the
+    # attention gathers the tokens there as it gathers rows; no ring, so no method).
+    for base in meshes(logical_axes, num_devices):
+        model = base.mesh_axis("heads")
+        if model is not None and base.axis_size(model) > 1:
+            out.append((Mesh.parse(str(base.shape), f"{base.rules};length:{model}"), None))
     return out
 
 

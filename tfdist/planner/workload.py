@@ -148,7 +148,11 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
 
     a_heads, a_ff, a_vocab, a_exp = split("heads"), split("d_ff"), split("vocab"), split("experts")
     parts = split("length")
-    method = sequence_method or c.sequence_method
+    # Megatron sequence parallelism: `length` on the heads' axis. The attention gathers
+    # the tokens over it as it gathers rows (the Megatron exchanges below) and attends
+    # densely; no ring or Ulysses exchange.
+    megatron_sp = parts > 1 and mesh.mesh_axis("length") == mesh.mesh_axis("heads")
+    method = "ring" if megatron_sp else sequence_method or c.sequence_method
     if parts > 1:
         _check_sequence_split(c, mesh, batch, length, parts, method, a_heads)
     elif batch % n:
@@ -174,8 +178,8 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
     flops = 0.0
     for j, (side, i) in enumerate(layers):
         attentions = 1 if side == "encoder" else 2
-        flops += _block_flops(c, j, t, b, length, parts)
-        if parts > 1:
+        flops += _block_flops(c, j, t, b, length, 1 if megatron_sp else parts)
+        if parts > 1 and not megatron_sp:
             # encoder self and cross-attention mask their keys; a decoder's self-attention
             # is causal, unmasked
             colls.extend(_sequence_collectives(method, parts, t * c.num_heads * c.d_kv * word,
@@ -213,7 +217,7 @@ def transformer_work(config, mesh: Mesh, batch: int, length: int,
     if inventory is not None:
         colls.extend(gradient_collectives(inventory, mesh, bucket_bytes))
     activations = _transformer_activations(c, t, b, length, a_heads, a_ff, a_vocab, a_exp,
-                                           blockwise=parts > 1)
+                                           blockwise=parts > 1 and not megatron_sp)
     return Work(flops, tuple(colls), int(activations))
 
 
@@ -228,10 +232,9 @@ def _check_sequence_split(c, mesh: Mesh, batch: int, length: int, parts: int, me
     if method not in c.SEQUENCE_METHODS:
         raise ValueError(f"sequence_method={method!r}; expected one of "
                          f"{list(c.SEQUENCE_METHODS)}.")
+    # An MoE routes each device's own tokens (groups inside a zig-zag chunk, checked here):
+    # its all-to-all is the one it sends without a split, over a device's t tokens.
     c.check_sequence_split(parts, axis, length, head_shards=a_heads, method=method)
-    if c.moe_experts:
-        raise ValueError("an MoE over a split sequence is not planned (it trains there, but "
-                         "its exchanges over the split are not modelled).")
 
 
 def _sequence_collectives(method: str, parts: int, kv_bytes: float, mask_bytes: float,
@@ -260,10 +263,19 @@ def _sequence_collectives(method: str, parts: int, kv_bytes: float, mask_bytes: 
 
 
 def _moe_slots(c) -> float:
-    """Expert slots per token of an MoE block (its capacity over the experts)."""
+    """Expert slots per token of an MoE block: E x its capacity per group of S tokens, over S
+    (the Transformer's MoE: `min_capacity=1`; the capacity rounds up to whole tokens, which
+    for small groups is far from `top_k x capacity_factor`)."""
     if not c.moe_experts:
         return 0.0
-    return min(1.0, c.moe_top_k * c.moe_capacity_factor / c.moe_experts) * c.moe_experts
+    from tfdist.layers.moe import expert_capacity
+
+    S, E = c.moe_group_size, c.moe_experts
+    if c.moe_routing == "expert_choice":
+        capacity = min(S, expert_capacity(S, E, 1, c.moe_capacity_factor, 1))
+    else:
+        capacity = expert_capacity(S, E, c.moe_top_k, c.moe_capacity_factor, 1)
+    return E * capacity / S
 
 
 def _block_flops(c, j: int, t: float, b: float, length: int, parts: int = 1) -> float:
