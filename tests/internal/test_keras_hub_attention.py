@@ -196,6 +196,11 @@ def test_the_sources_the_sequence_split_relies_on_are_the_installed_ones():
 
     assert keras_hub_attention.split_substitute(LlamaAttention) is (
         keras_hub_attention.llama_split_attention)
+    # Qwen's attention is dispatched only over a split (its call fingerprinted too).
+    from keras_hub.src.models.qwen.qwen_attention import QwenAttention
+
+    assert keras_hub_attention.split_only_classes() == {
+        QwenAttention: keras_hub_attention.qwen_split_attention}
     keras_hub_attention.split_sources_match.cache_clear()
     original = dict(keras_hub_attention.SPLIT_SOURCES)
     try:

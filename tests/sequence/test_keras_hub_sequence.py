@@ -1,4 +1,4 @@
-"""keras-hub's Llama and Gemma under `ModelParallel(..., sequence_axis=...)` train like one
+"""keras-hub's Llama, Gemma and Qwen under `ModelParallel(..., sequence_axis=...)` train like one
 device.
 
 Every sequence is split over the mesh axis (zig-zag, `split_sequences`): the
@@ -23,7 +23,8 @@ VOCAB, LENGTH, ROWS = 64, 8, 40
 
 
 BACKBONES = {"llama": (keras_hub.models.LlamaBackbone, {}),
-             "gemma": (keras_hub.models.GemmaBackbone, {"head_dim": 4})}
+             "gemma": (keras_hub.models.GemmaBackbone, {"head_dim": 4}),
+             "qwen": (keras_hub.models.QwenBackbone, {})}
 
 
 def language_model(cls=keras_hub.models.LlamaBackbone, **extra):
@@ -76,6 +77,7 @@ def _builder(name):
     ("llama", (1, 2, 2), ("batch", "model", "seq"), "ring", True),
     ("gemma", (1, 2), ("batch", "seq"), "ring", False),
     ("gemma", (1, 2, 2), ("batch", "model", "seq"), "ulysses", True),
+    ("qwen", (1, 2), ("batch", "seq"), "ring", False),  # Llama's attention, with biases
 ])
 def test_a_backbone_over_a_split_sequence_trains_like_one_device(
         data, references, monkeypatch, name, shape, axes, method, layout_map):
@@ -135,12 +137,18 @@ def test_bad_sequence_arguments_name_the_value(kwargs, match):
         td.ModelParallel(device_mesh=mesh, batch_dim_name="batch", **kwargs)
 
 
-def test_gemma2_options_are_refused_over_a_split_sequence(data):
+@pytest.mark.parametrize("cls, options, what", [
+    (keras_hub.models.GemmaBackbone, dict(head_dim=4, attention_logit_soft_cap=50.0),
+     r"attention logits soft-capped \(Gemma 2\)"),
+    (keras_hub.models.QwenBackbone, dict(use_sliding_window_attention=True,
+                                         sliding_window_size=4),
+     r"a sliding window \(4 tokens\)"),
+])
+def test_options_the_split_cannot_compute_are_refused(data, cls, options, what):
     mesh = td.DeviceMesh((1, 2), ("batch", "seq"), ["cpu:0", "cpu:1"])
     strategy = td.ModelParallel(device_mesh=mesh, batch_dim_name="batch", sequence_axis="seq")
     with strategy.scope():
-        model = language_model(keras_hub.models.GemmaBackbone, head_dim=4,
-                               attention_logit_soft_cap=50.0)
+        model = language_model(cls, **options)
         model.compile(optimizer="adam",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     from tfdist.sequence import split_sequences
@@ -148,6 +156,6 @@ def test_gemma2_options_are_refused_over_a_split_sequence(data):
 
     dataset = split_sequences(tf.data.Dataset.from_tensor_slices(data).batch(4).take(1),
                               strategy.mesh)
-    with pytest.raises(ValueError, match=r"over a sequence split on mesh axis 'seq': attention "
-                                         r"logits soft-capped \(Gemma 2\) is not supported"):
+    with pytest.raises(ValueError, match=r"over a sequence split on mesh axis 'seq': " + what
+                       + " is not supported"):
         model.fit(dataset, verbose=0)

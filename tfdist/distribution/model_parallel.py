@@ -120,8 +120,8 @@ class ModelParallel(MeshStrategy):
             over (the logical axis `length`, `tfdist.sequence`): its devices hold
             the same rows and different tokens (zig-zag). Feed batches through
             `tfdist.sequence.split_sequences(dataset, strategy.mesh)`. keras-hub's
-            `LlamaAttention` and `CachedGemmaAttention` attend over the whole
-            sequence (ring or Ulysses, rotary positions global); other attention
+            `LlamaAttention`, `CachedGemmaAttention` and `QwenAttention` attend
+            over the whole sequence (ring or Ulysses, rotary positions global); other attention
             layers are refused; every other layer works token by token.
             Generation (a cache) is refused.
         sequence_method: `"ring"` or `"ulysses"` attention over `sequence_axis`.

@@ -334,6 +334,17 @@ HOOKS: Tuple[Hook, ...] = (
          "the keys' padding",
          "2475d988fbec3f0dc0b060213eeb5f72672e3f75442ddfbdb8260a6e220465bd",
          tests=_ATTENTION_TESTS + ("tests/sequence/test_keras_hub_sequence.py",)),
+    Hook("keras_hub.src.models.qwen.qwen_attention.QwenAttention.call", "keras_hub",
+         "mirrored", _ATTENTION, "mirrored over a sequence split (a split-only dispatcher, set "
+         "on each instance built under a LayoutMap)",
+         "e3d5017be8790d6e97559f52de77809af7b7e0b29c3ddc2dba1f7e4e48569f1c",
+         tests=("tests/sequence/test_keras_hub_sequence.py",)),
+    Hook("keras_hub.src.models.qwen.qwen_decoder.QwenTransformerDecoder"
+         "._compute_self_attention_mask", "keras_hub", "relied on", _ATTENTION,
+         "over a sequence split: the padding and causal masks' minimum, whose diagonal is "
+         "the keys' padding",
+         "979a1ae491598d63a401e9a358f6553c4eb964af05c691d7f97ad459f42c8973",
+         tests=("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.qwen_moe.qwen_moe_decoder.compute_load_balancing_loss",
          "keras_hub", "replaced", (_I + "keras_hub_moe_loss",),
          "the MoE load-balancing loss over every replica's tokens",

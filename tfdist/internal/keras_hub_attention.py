@@ -313,6 +313,17 @@ def gemma_split_attention(layer, axis, method, x, attention_mask=None, cache=Non
     return layer.output_dense(ops.cast(vectors, layer.compute_dtype))
 
 
+def qwen_split_attention(layer, axis, method, hidden_states, attention_mask=None, cache=None,
+                         cache_update_index=None, training=None):
+    """`QwenAttention.call` (Llama's, with biases) over a sequence split on `axis`; its
+    sliding window is refused."""
+    if layer.use_sliding_window_attention:
+        _refuse_in_split(layer, axis, None, False, False, attention_mask,
+                         f"a sliding window ({layer.sliding_window_size} tokens)")
+    return llama_split_attention(layer, axis, method, hidden_states, attention_mask, cache,
+                                 cache_update_index, training)
+
+
 def unsupported_split_attention(layer, axis, method, *args, **kwargs):
     raise ValueError(
         f"Layer {layer.name!r} ({type(layer).__name__}) attends over the whole sequence, "
@@ -323,7 +334,50 @@ def unsupported_split_attention(layer, axis, method, *args, **kwargs):
 
 # Attention classes (by name) -> their call over a sequence split.
 SPLIT_SUBSTITUTES = {"LlamaAttention": llama_split_attention,
-                     "CachedGemmaAttention": gemma_split_attention}
+                     "CachedGemmaAttention": gemma_split_attention,
+                     "QwenAttention": qwen_split_attention}
+
+# Attention classes tfdist pairs with no tensor-parallel substitute, only over a split
+# sequence: (module, class) -> ({method: sha256 relied on}, split substitute's name).
+SPLIT_ONLY = {
+    ("keras_hub.src.models.qwen.qwen_attention", "QwenAttention"): (
+        {"call": "e3d5017be8790d6e97559f52de77809af7b7e0b29c3ddc2dba1f7e4e48569f1c"},
+        "qwen_split_attention"),
+}
+
+
+@functools.cache
+def split_only_classes():
+    """{installed class in `SPLIT_ONLY` whose source is the one relied on: its substitute}."""
+    classes = {}
+    for (module, name), (methods, substitute) in SPLIT_ONLY.items():
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if all(fingerprint(cls, m) == sha for m, sha in methods.items()):
+            classes[cls] = globals()[substitute]
+    return classes
+
+
+def split_dispatcher(original, split):
+    """`call` computing the layer over the mesh's sequence split with `split(layer, axis,
+    method, *args, **kwargs)` (traced under a length split), else the original call."""
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        if not tf.executing_eagerly():
+            from tfdist import sequence
+
+            axis = sequence.length_axis()
+            if axis is not None:
+                method = getattr(tf.distribute.get_strategy(), "sequence_method", "ring")
+                return split(self, axis, method, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    call._tfdist_original = original
+    return call
+
 
 # What the split substitutes rely on besides the attention's own call: the decoder builds
 # the attention mask as the padding and causal masks' minimum (its diagonal: the padding).
@@ -335,6 +389,10 @@ SPLIT_SOURCES = {
     ("keras_hub.src.models.gemma.gemma_decoder_block", "GemmaDecoderBlock"): {
         "_compute_attention_mask":
             "2475d988fbec3f0dc0b060213eeb5f72672e3f75442ddfbdb8260a6e220465bd",
+    },
+    ("keras_hub.src.models.qwen.qwen_decoder", "QwenTransformerDecoder"): {
+        "_compute_self_attention_mask":
+            "979a1ae491598d63a401e9a358f6553c4eb964af05c691d7f97ad459f42c8973",
     },
 }
 

@@ -57,7 +57,7 @@ import tensorflow as tf
 from keras.src.backend import set_keras_mask
 
 from tfdist import collectives, runtime, tensor_parallel, weight_reads
-from tfdist.internal import keras_loop_reads, keras_tp_pairs, keras_variables
+from tfdist.internal import keras_hub_attention, keras_loop_reads, keras_tp_pairs, keras_variables
 
 
 def _layout(variable):
@@ -386,6 +386,9 @@ def _entries():
                                                       serves=serves))
               for cls, fn, serves in _registry()]
     makers += keras_tp_pairs.entries(pairing_plan)
+    makers += [(cls.__dict__["call"],
+                functools.partial(keras_hub_attention.split_dispatcher, split=split))
+               for cls, split in keras_hub_attention.split_only_classes().items()]
     return tuple((original, make(original)) for original, make in makers)
 
 
@@ -415,9 +418,10 @@ def _refuse_attention_over_a_split(layer) -> None:
     from tfdist.internal import keras_hub_attention
 
     cls = type(layer)
-    if (cls not in keras_hub_attention.attention_classes()
-            or keras_hub_attention.split_substitute(cls)
-            is keras_hub_attention.unsupported_split_attention):
+    known = cls in keras_hub_attention.attention_classes() or \
+        cls in keras_hub_attention.split_only_classes()
+    if not known or keras_hub_attention.split_substitute(cls) is \
+            keras_hub_attention.unsupported_split_attention:
         keras_hub_attention.unsupported_split_attention(layer, axis, None)
 
 
