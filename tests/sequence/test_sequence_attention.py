@@ -26,8 +26,9 @@ def _positions(length, parts, index, balanced):
     return np.arange(index * c, (index + 1) * c)
 
 
-def _reference(q, k, v, w, causal, key_mask):
-    """Output and gradients of sum(attention(q, k, v) * w), float64, every key at once."""
+def _reference(q, k, v, w, causal, key_mask, window=None):
+    """Output and gradients of sum(attention(q, k, v) * w), float64, every key at once
+    (`window`: keys `window` or more positions before a query masked too)."""
     q, k, v = (tf.constant(x, tf.float64) for x in (q, k, v))
     with tf.GradientTape() as tape:
         tape.watch([q, k, v])
@@ -39,6 +40,9 @@ def _reference(q, k, v, w, causal, key_mask):
         if causal:
             lq = q.shape[1]
             s += (1.0 - np.tril(np.ones((lq, lq))))[None, None] * -1e9
+        if window is not None:
+            ahead = np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None]
+            s += (ahead >= window)[None, None] * -1e9
         out = tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(s, axis=-1), vv)
         loss = tf.reduce_sum(out * w)
     return [out.numpy()] + [g.numpy() for g in tape.gradient(loss, [q, k, v])]
@@ -67,7 +71,7 @@ def _strategy(mesh):
     return _STRATEGIES[mesh]
 
 
-def _run(mesh, method, q, k, v, w, mask, causal, balanced, block=None):
+def _run(mesh, method, q, k, v, w, mask, causal, balanced, block=None, window=None):
     strategy = _strategy(mesh)
     data_size = strategy.mesh.shape.axis_size("data") if "data" in mesh else 1
     parts = strategy.mesh.shape.axis_size("seq")
@@ -89,7 +93,7 @@ def _run(mesh, method, q, k, v, w, mask, causal, balanced, block=None):
                 tape.watch([ql, kl, vl])
                 out = sequence.sequence_attention(ql, kl, vl, "seq", method=method,
                                                   causal=causal, key_mask=ml, balanced=balanced,
-                                                  block=block)
+                                                  block=block, window=window)
                 loss = tf.reduce_sum(out * wl)
             return [out] + tape.gradient(loss, [ql, kl, vl])
 
@@ -151,6 +155,42 @@ def test_blocks_within_each_device_equal_dense_attention(mesh, method, causal):
         pos = _positions(16, 2, replica, True)
         for name, value, ref in zip(["out", "dq", "dk", "dv"], got, want):
             np.testing.assert_allclose(value[replica], ref[:, pos], **TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("mesh, method, window, block", [
+    ("seq:2", "ring", 3, None), ("seq:2", "ulysses", 5, None), ("seq:4", "ring", 4, None),
+    ("seq:2", "ring", 6, 2)])
+def test_a_sliding_window_equals_dense_windowed_attention(mesh, method, window, block):
+    """Causal, zig-zag, padded: keys `window` or more positions back are masked, key
+    chunks wholly outside the window skipped (seq:4 windows of 4 over chunks of 2 skip
+    most of them); outputs and gradients equal dense attention with the same mask."""
+    q, k, v, w, mask = _data(2, 16, 16, 4, 2, 8, padded=True)
+    # A query whose window holds only padding sees no valid key: its output is finite but
+    # not the dense softmax's (which spreads it over keys the window masks as much); no
+    # loss reads it, so it gets no weight here and its output is not compared.
+    positions = np.arange(16)
+    in_window = (positions[:, None] - positions[None] >= 0) & \
+        (positions[:, None] - positions[None] < window)
+    seen = (in_window[None] & (mask[:, None, :] > 0)).any(-1)  # [batch, query]
+    w = w * seen[:, :, None, None]
+    want = _reference(q, k, v, w, True, mask, window=window)
+    assert not np.allclose(want[0], _reference(q, k, v, w, True, mask)[0])  # the window acts
+    parts = _strategy(mesh).mesh.shape.axis_size("seq")
+    got = _run(mesh, method, q, k, v, w, mask, True, True, block=block, window=window)
+    for replica in range(parts):
+        pos = _positions(16, parts, replica, True)
+        for name, value, ref in zip(["out", "dq", "dk", "dv"], got, want):
+            if name == "out":
+                value, ref = value[replica] * seen[:, pos, None, None], ref * seen[:, :, None, None]
+            else:
+                value = value[replica]
+            np.testing.assert_allclose(value, ref[:, pos], **TOL, err_msg=name)
+
+
+def test_a_window_without_causal_is_refused():
+    x = tf.zeros([1, 4, 2, 4])
+    with pytest.raises(ValueError, match=r"A sliding window \(window=2\) needs causal=True"):
+        sequence.ring_attention(x, x, x, None, window=2)
 
 
 @pytest.mark.parametrize("causal, block", [(True, 4), (True, 5), (False, 3)])

@@ -252,23 +252,25 @@ def _refuse_in_split(layer, axis, cache, cache_update_index, training, attention
                          f"evaluate under the split, generate on a mesh without one.")
 
 
-def _split_core(query, key, value, attention_mask, axis, method, scale):
+def _split_core(query, key, value, attention_mask, axis, method, scale, window=None):
     """Causal ring / Ulysses attention of this device's tokens `[b, t, H, h]`; the keys'
     padding is the diagonal of the decoder's local mask (padding and causal masks'
-    minimum, `SPLIT_SOURCES`)."""
+    minimum, `SPLIT_SOURCES`); `window`: a sliding window of that many tokens."""
     from tfdist import sequence
 
     key_mask = tf.linalg.diag_part(tf.cast(tf.stop_gradient(attention_mask), query.dtype))
     vectors = sequence.sequence_attention(query, key, value, axis, method=method, causal=True,
-                                          key_mask=key_mask, balanced=True, scale=scale)
+                                          key_mask=key_mask, balanced=True, scale=scale,
+                                          window=window)
     return vectors, key_mask
 
 
 def llama_split_attention(layer, axis, method, hidden_states, attention_mask=None, cache=None,
-                          cache_update_index=None, training=None):
+                          cache_update_index=None, training=None, window=None):
     """`LlamaAttention.call` on this device's tokens of a sequence split over mesh axis `axis`
     (zig-zag, `tfdist.sequence.split_sequences`): causal ring or Ulysses attention
-    (`method`) over the whole sequence, rotary positions global."""
+    (`method`) over the whole sequence, rotary positions global (`window`: a sliding
+    window, Qwen's)."""
     from keras import ops
 
     from tfdist import sequence
@@ -280,7 +282,7 @@ def llama_split_attention(layer, axis, method, hidden_states, attention_mask=Non
     key = layer.rotary_embedding_layer(layer._key_dense(hidden_states), positions=positions)
     value = layer._value_dense(hidden_states)
     vectors, _ = _split_core(query, key, value, attention_mask, axis, method,
-                             float(layer._inv_norm_factor))
+                             float(layer._inv_norm_factor), window)
     return layer._output_dense(ops.cast(vectors, layer.compute_dtype))
 
 
@@ -315,13 +317,12 @@ def gemma_split_attention(layer, axis, method, x, attention_mask=None, cache=Non
 
 def qwen_split_attention(layer, axis, method, hidden_states, attention_mask=None, cache=None,
                          cache_update_index=None, training=None):
-    """`QwenAttention.call` (Llama's, with biases) over a sequence split on `axis`; its
-    sliding window is refused."""
-    if layer.use_sliding_window_attention:
-        _refuse_in_split(layer, axis, None, False, False, attention_mask,
-                         f"a sliding window ({layer.sliding_window_size} tokens)")
+    """`QwenAttention.call` (Llama's, with biases) over a sequence split on `axis`, with its
+    sliding window (keras-hub's band: a query sees the `sliding_window_size` keys ending
+    at its own position)."""
+    window = layer.sliding_window_size if layer.use_sliding_window_attention else None
     return llama_split_attention(layer, axis, method, hidden_states, attention_mask, cache,
-                                 cache_update_index, training)
+                                 cache_update_index, training, window=window)
 
 
 def unsupported_split_attention(layer, axis, method, *args, **kwargs):

@@ -37,14 +37,19 @@ import tensorflow as tf
 NEG_INF = -1e9
 
 
-def chunk_pairs(q_ids: Sequence[int], k_ids: Sequence[int], causal: bool):
+def chunk_pairs(q_ids: Sequence[int], k_ids: Sequence[int], causal: bool, window=None):
     """`(i, j, diagonal)` for query chunk `i` and key chunk `j` that see each other.
 
     Under `causal` a key chunk after the query chunk is skipped and the same
-    chunk is masked on its diagonal; otherwise every pair is whole.
+    chunk is masked on its diagonal; otherwise every pair is whole. `window`
+    `(W, chunk)` (causal only): a key chunk whose every token is W or more
+    positions before every query of the chunk is skipped too.
     """
     for i, qc in enumerate(q_ids):
         for j, kc in enumerate(k_ids):
+            if window is not None and qc * window[1] - (kc * window[1] + window[1] - 1) \
+                    >= window[0]:
+                continue
             if not causal or kc < qc:
                 yield i, j, False
             elif kc == qc:
@@ -55,15 +60,25 @@ def split_rows(x, parts: int, axis: int) -> List:
     return tf.split(x, parts, axis=axis) if parts > 1 else [x]
 
 
-def scores(q, k, key_valid: Optional[tf.Tensor], diagonal: bool):
-    """`[B, K, G, Q, S]` scores of one chunk pair, masks added."""
+def scores(q, k, key_valid: Optional[tf.Tensor], diagonal: bool, window=None):
+    """`[B, K, G, Q, S]` scores of one chunk pair, masks added. `window`
+    `(W, query chunk id, key chunk id, chunk)`: keys W or more positions before
+    a query are masked (a sliding window)."""
     s = tf.einsum("bkgqd,bksd->bkgqs", q, k)
     if key_valid is not None:
         s += (1.0 - key_valid)[:, None, None, None, :] * NEG_INF
     if diagonal:
         allowed = tf.linalg.band_part(tf.ones([tf.shape(q)[3], tf.shape(k)[2]]), -1, 0)
         s += (1.0 - allowed) * NEG_INF
+    if window is not None:
+        w, qc, kc, chunk = window
+        ahead = (qc * chunk + tf.range(chunk))[:, None] - (kc * chunk + tf.range(chunk))[None]
+        s += tf.cast(ahead >= w, s.dtype) * NEG_INF
     return s
+
+
+def _window_of(window, q_ids, k_ids, i, j):
+    return None if window is None else (window[0], q_ids[i], k_ids[j], window[1])
 
 
 class Serial:
@@ -112,22 +127,26 @@ class OnlineSoftmax:
         return out, lse
 
 
-def forward_block(state: OnlineSoftmax, q_chunks, q_ids, k, v, key_valid, k_ids, causal):
-    """Adds one key block (chunks `k_ids`) to `state` for the query chunks `q_ids`."""
-    pairs = list(chunk_pairs(q_ids, k_ids, causal))
+def forward_block(state: OnlineSoftmax, q_chunks, q_ids, k, v, key_valid, k_ids, causal,
+                  window=None):
+    """Adds one key block (chunks `k_ids`) to `state` for the query chunks `q_ids`
+    (`window`: `(W, chunk)`, a causal sliding window of W tokens)."""
+    pairs = list(chunk_pairs(q_ids, k_ids, causal, window))
     if not pairs:
         return
     ks, vs = split_rows(k, len(k_ids), 2), split_rows(v, len(k_ids), 2)
     masks = split_rows(key_valid, len(k_ids), 1) if key_valid is not None else [None] * len(k_ids)
     for i, j, diagonal in pairs:
         with state.serial.after():
-            s = scores(q_chunks[i], ks[j], masks[j], diagonal)
+            s = scores(q_chunks[i], ks[j], masks[j], diagonal,
+                       _window_of(window, q_ids, k_ids, i, j))
         state.add(i, s, vs[j])
         state.serial.done(state.o[i])
 
 
 def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_chunks,
-                   k, v, key_valid, k_ids, causal, scale, serial: Optional[Serial] = None):
+                   k, v, key_valid, k_ids, causal, scale, serial: Optional[Serial] = None,
+                   window=None):
     """One key block's share of the gradients.
 
     Adds into `dq_chunks` (a list, per query chunk, updated in place) and
@@ -135,7 +154,7 @@ def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_ch
     `serial` chains the pairs across blocks (default: within this block).
     """
     serial = serial or Serial()
-    pairs = list(chunk_pairs(q_ids, k_ids, causal))
+    pairs = list(chunk_pairs(q_ids, k_ids, causal, window))
     if not pairs:
         return tf.zeros_like(k), tf.zeros_like(v)
     ks, vs = split_rows(k, len(k_ids), 2), split_rows(v, len(k_ids), 2)
@@ -144,7 +163,9 @@ def backward_block(q_chunks, q_ids, dout_chunks, lse_chunks, delta_chunks, dq_ch
     dvs = [None] * len(k_ids)
     for i, j, diagonal in pairs:
         with serial.after():
-            p = tf.exp(scores(q_chunks[i], ks[j], masks[j], diagonal) - lse_chunks[i][..., None])
+            p = tf.exp(scores(q_chunks[i], ks[j], masks[j], diagonal,
+                              _window_of(window, q_ids, k_ids, i, j))
+                       - lse_chunks[i][..., None])
             dp = tf.einsum("bkgqd,bksd->bkgqs", dout_chunks[i], vs[j])
         ds = p * (dp - delta_chunks[i][..., None])
         dq = tf.einsum("bkgqs,bksd->bkgqd", ds, ks[j]) * scale

@@ -88,7 +88,7 @@ def check_shapes(q, k, v, key_mask, causal: bool) -> None:
 
 def ring_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_mask=None,
                    balanced: bool = False, scale: Optional[float] = None,
-                   block: Optional[int] = None):
+                   block: Optional[int] = None, window: Optional[int] = None):
     """Dot-product attention over a sequence split along mesh axis `axis`.
 
     Args:
@@ -104,6 +104,9 @@ def ring_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_ma
             further): the largest score tensor is `[batch, heads, block,
             block]` and, when causal, blocks above the diagonal are skipped.
             On one device (`axis` None) this is flash attention's memory.
+        window: with `causal`, a sliding window: a query sees the `window` keys
+            ending at its own position (Mistral's and Qwen's; key chunks wholly
+            outside it are skipped).
 
     Returns:
         `[batch, length_q / P, heads, d_kv]` in `q`'s dtype.
@@ -115,8 +118,10 @@ def ring_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_ma
         q_ids, k_ids_of = split.chunks(index), split.chunks
     else:
         q_ids, k_ids_of = (0,), (lambda j: (0,))
+    if window is not None and not causal:
+        raise ValueError(f"A sliding window (window={window}) needs causal=True.")
     return attend(q, k, v, key_mask, axis=axis, scale=scale, causal=causal, q_ids=q_ids,
-                  k_ids_of=k_ids_of, index=index, parts=parts, block=block)
+                  k_ids_of=k_ids_of, index=index, parts=parts, block=block, window=window)
 
 
 def pieces(length: int, block: Optional[int]) -> int:
@@ -130,7 +135,7 @@ def pieces(length: int, block: Optional[int]) -> int:
 
 def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
            k_ids_of: Callable[[int], Sequence[int]], index: int, parts: int,
-           block: Optional[int] = None):
+           block: Optional[int] = None, window: Optional[int] = None):
     """Blockwise attention of the local queries over the blocks of a ring of `parts`.
 
     `q_ids`: global chunk ids of the local queries' equal chunks;
@@ -148,6 +153,8 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
         def k_ids_of(j):
             return tuple(c * n_k + i for c in chunk_ids_of(j) for i in range(n_k))
 
+    # (W, tokens per chunk) of a sliding window
+    window = None if window is None else (int(window), int(q.shape[1]) // len(q_ids))
     dtype = q.dtype
     b = tf.shape(q)[0]  # partial batches: unknown when traced
     lq, h, d = (int(n) for n in q.shape[1:])
@@ -191,7 +198,7 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
                 block = hand_over(block, rounds[t - 1])
             kt, vt, mt = block
             blockwise.forward_block(state, q_chunks, q_ids, kt, vt, mt if has_mask else None,
-                                    k_ids_of(held[t]), causal)
+                                    k_ids_of(held[t]), causal, window)
         out, lse = state.finish()
 
         def grad(dout):
@@ -216,7 +223,8 @@ def attend(q, k, v, key_mask, *, axis, scale, causal, q_ids: Sequence[int],
                 kt, vt, mt = block
                 share = blockwise.backward_block(
                     q_chunks, q_ids, do_chunks, lse_chunks, delta_chunks, dq_chunks, kt, vt,
-                    mt if has_mask else None, k_ids_of(held[t]), causal, scale, serial)
+                    mt if has_mask else None, k_ids_of(held[t]), causal, scale, serial,
+                    window)
                 if t == 0:
                     own = share
                 elif t == 1:

@@ -29,7 +29,7 @@ from tfdist.sequence.split import SequenceSplit
 
 def ulysses_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key_mask=None,
                       balanced: bool = False, scale: Optional[float] = None,
-                      block: Optional[int] = None):
+                      block: Optional[int] = None, window: Optional[int] = None):
     """Dot-product attention over a sequence split along `axis`, by head all-to-alls.
 
     Args and returns as `tfdist.sequence.ring_attention`.
@@ -38,6 +38,8 @@ def ulysses_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key
         ValueError: the query heads do not divide by the axis's devices.
     """
     check_shapes(q, k, v, key_mask, causal)
+    if window is not None and not causal:
+        raise ValueError(f"A sliding window (window={window}) needs causal=True.")
     parts = collectives.axis_size(axis)
     heads, kv_heads = int(q.shape[2]), int(k.shape[2])
     if heads % parts:
@@ -58,7 +60,7 @@ def ulysses_attention(q, k, v, axis: Optional[str], *, causal: bool = False, key
     else:  # one chunk per device's tokens
         q_ids = k_ids = tuple(range(parts))
     out = attend(q, k, v, key_mask, axis=None, scale=scale, causal=causal, q_ids=q_ids,
-                 k_ids_of=lambda j: k_ids, index=0, parts=1, block=block)
+                 k_ids_of=lambda j: k_ids, index=0, parts=1, block=block, window=window)
     if parts > 1:
         out = collectives.all_to_all(out, axis, split_dim=1, concat_dim=2)
     return out
