@@ -46,5 +46,6 @@ def sequence_attention(q, k, v, axis: Optional[str], method: str = "ring", **kwa
 
 
 __all__ = ["SequenceSplit", "SplitRunner", "global_tokens", "length_axis", "local_positions",
-           "local_tokens", "merge_sequences", "ring_attention", "ring_rounds", "sequence_attention", "sequence_axis",
-           "split_sequences", "token_positions", "ulysses_attention"]
+           "local_tokens", "merge_sequences", "ring_attention", "ring_rounds",
+           "sequence_attention", "sequence_axis", "split_sequences", "token_positions",
+           "ulysses_attention"]
