@@ -132,6 +132,8 @@ _BASE_OPT = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _SEAM = (_I + "gradient_seam",)
 _SEAM_TESTS = ("tests/internal/test_gradient_seam.py", "tests/strategies/test_optimizers.py")
 _SLICES = (_I + "keras_initial_slices",)
+_SPLIT_MASK = ("over a sequence split: the padding and causal masks' minimum, whose diagonal "
+               "is the keys' padding")
 _SLICES_TESTS = ("tests/internal/test_keras_initial_slices.py",)
 
 HOOKS: Tuple[Hook, ...] = (
@@ -324,14 +326,12 @@ HOOKS: Tuple[Hook, ...] = (
          tests=_ATTENTION_TESTS),
     Hook("keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder"
          "._compute_self_attention_mask", "keras_hub", "relied on", _ATTENTION,
-         "over a sequence split: the padding and causal masks' minimum, whose diagonal is "
-         "the keys' padding",
+         _SPLIT_MASK,
          "1e3e6dcbc82dfd0f9ca3fd54319992c9bb217b83ed63f8f0773f337a9932f7a2",
          tests=_ATTENTION_TESTS + ("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.gemma.gemma_decoder_block.GemmaDecoderBlock"
          "._compute_attention_mask", "keras_hub", "relied on", _ATTENTION,
-         "over a sequence split: the padding and causal masks' minimum, whose diagonal is "
-         "the keys' padding",
+         _SPLIT_MASK,
          "2475d988fbec3f0dc0b060213eeb5f72672e3f75442ddfbdb8260a6e220465bd",
          tests=_ATTENTION_TESTS + ("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.qwen.qwen_attention.QwenAttention.call", "keras_hub",
@@ -341,8 +341,7 @@ HOOKS: Tuple[Hook, ...] = (
          tests=("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.qwen.qwen_decoder.QwenTransformerDecoder"
          "._compute_self_attention_mask", "keras_hub", "relied on", _ATTENTION,
-         "over a sequence split: the padding and causal masks' minimum, whose diagonal is "
-         "the keys' padding",
+         _SPLIT_MASK,
          "979a1ae491598d63a401e9a358f6553c4eb964af05c691d7f97ad459f42c8973",
          tests=("tests/sequence/test_keras_hub_sequence.py",)),
     Hook("keras_hub.src.models.qwen_moe.qwen_moe_decoder.compute_load_balancing_loss",

@@ -89,17 +89,24 @@ def fingerprint(cls, method: str) -> str:
     return sources.source_sha256(cls.__dict__[method])
 
 
+def _installed(module: str, name: str, methods: dict):
+    """The installed class `module.name` if each of its `methods` has the source whose
+    sha256 is given, else None (keras-hub absent, without this model, or changed)."""
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return cls if all(fingerprint(cls, m) == sha for m, sha in methods.items()) else None
+
+
 @functools.cache  # the installed sources do not change within a process
 def attention_classes():
     """{installed keras-hub attention class: (column attributes, row attribute, substitute)}
     whose source is the one mirrored here."""
     classes = {}
     for (module, name), (columns, row, sources, substitute) in SOURCES.items():
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue  # keras-hub absent, or without this model
-        if all(fingerprint(cls, method) == sha for method, sha in sources.items()):
+        cls = _installed(module, name, sources)
+        if cls is not None:
             classes[cls] = (columns, row, globals()[substitute])
     return classes
 
@@ -339,11 +346,11 @@ SPLIT_SUBSTITUTES = {"LlamaAttention": llama_split_attention,
                      "QwenAttention": qwen_split_attention}
 
 # Attention classes tfdist pairs with no tensor-parallel substitute, only over a split
-# sequence: (module, class) -> ({method: sha256 relied on}, split substitute's name).
+# sequence (their substitute in `SPLIT_SUBSTITUTES`): (module, class) -> {method: sha256
+# relied on}.
 SPLIT_ONLY = {
-    ("keras_hub.src.models.qwen.qwen_attention", "QwenAttention"): (
-        {"call": "e3d5017be8790d6e97559f52de77809af7b7e0b29c3ddc2dba1f7e4e48569f1c"},
-        "qwen_split_attention"),
+    ("keras_hub.src.models.qwen.qwen_attention", "QwenAttention"): {
+        "call": "e3d5017be8790d6e97559f52de77809af7b7e0b29c3ddc2dba1f7e4e48569f1c"},
 }
 
 
@@ -351,19 +358,18 @@ SPLIT_ONLY = {
 def split_only_classes():
     """{installed class in `SPLIT_ONLY` whose source is the one relied on: its substitute}."""
     classes = {}
-    for (module, name), (methods, substitute) in SPLIT_ONLY.items():
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        if all(fingerprint(cls, m) == sha for m, sha in methods.items()):
-            classes[cls] = globals()[substitute]
+    for (module, name), methods in SPLIT_ONLY.items():
+        cls = _installed(module, name, methods)
+        if cls is not None:
+            classes[cls] = split_substitute(cls)
     return classes
 
 
-def split_dispatcher(original, split):
+def split_dispatcher(original, split, otherwise=None):
     """`call` computing the layer over the mesh's sequence split with `split(layer, axis,
-    method, *args, **kwargs)` (traced under a length split), else the original call."""
+    method, *args, **kwargs)` (traced under a length split), else `otherwise` (default:
+    the original call; the pairing dispatcher for attentions `keras_tp_pairs` pairs)."""
+    otherwise = otherwise or original
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):
@@ -374,7 +380,7 @@ def split_dispatcher(original, split):
             if axis is not None:
                 method = getattr(tf.distribute.get_strategy(), "sequence_method", "ring")
                 return split(self, axis, method, *args, **kwargs)
-        return original(self, *args, **kwargs)
+        return otherwise(self, *args, **kwargs)
 
     call._tfdist_original = original
     return call
@@ -401,14 +407,8 @@ SPLIT_SOURCES = {
 @functools.cache
 def split_sources_match() -> bool:
     """Whether the installed keras-hub's sources in `SPLIT_SOURCES` are the ones relied on."""
-    for (module, name), methods in SPLIT_SOURCES.items():
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            return False
-        if any(fingerprint(cls, method) != sha for method, sha in methods.items()):
-            return False
-    return True
+    return all(_installed(module, name, methods) is not None
+               for (module, name), methods in SPLIT_SOURCES.items())
 
 
 def split_substitute(cls):

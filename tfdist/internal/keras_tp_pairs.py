@@ -172,24 +172,15 @@ def _check_region(pair):
                 "(tfdist.internal.keras_tp_pairs).")
 
 
-def _dispatcher(original, attributes, plan, substitute=None, split=None):
+def _dispatcher(original, attributes, plan, substitute=None):
     """`call` pairing the layer's columns with its row layer; `substitute(layer, pair, axis,
     *args, **kwargs)`, if given, computes the layer's call on local columns itself (or
-    returns NotImplemented: the original call, unpaired). `split(layer, axis, method,
-    *args, **kwargs)`, an attention's, computes it over a sequence split on mesh axis
-    `axis` instead (unpaired: each projection exchanges its rows alone)."""
+    returns NotImplemented: the original call, unpaired)."""
     columns_of, row_of, dim = attributes
 
     @functools.wraps(original)
     def call(self, *args, **kwargs):
         outer = getattr(_local, "pair", None)
-        if split is not None and not tf.executing_eagerly():
-            from tfdist import sequence
-
-            axis = sequence.length_axis()
-            if axis is not None:
-                method = getattr(tf.distribute.get_strategy(), "sequence_method", "ring")
-                return split(self, axis, method, *args, **kwargs)
         if tf.executing_eagerly() or (outer is not None and outer.block is self):
             return original(self, *args, **kwargs)
         columns = [getattr(self, name, None) for name in columns_of]
@@ -239,12 +230,20 @@ def entries(plan) -> tuple:
     """
     from tfdist.internal import keras_hub_attention
 
-    found = [(cls, (*attributes, -1), None, None)
-             for cls, attributes in block_classes().items()]
-    found += [(cls, (columns, row, -2), substitute, keras_hub_attention.split_substitute(cls))
-              for cls, (columns, row, substitute)
+    found = [(cls, (*attributes, -1), None) for cls, attributes in block_classes().items()]
+    found += [(cls, (columns, row, -2), substitute) for cls, (columns, row, substitute)
               in keras_hub_attention.attention_classes().items()]
-    return tuple((cls.__dict__["call"],
-                  functools.partial(_dispatcher, attributes=attributes, plan=plan,
-                                    substitute=substitute, split=split))
-                 for cls, attributes, substitute, split in found)
+
+    def maker(cls, attributes, substitute):
+        def make(original):
+            paired = _dispatcher(original, attributes, plan, substitute)
+            if substitute is None:  # a feed-forward block: no sequence to attend over
+                return paired
+            # An attention over a sequence split: computed there, unpaired (each
+            # projection exchanges its rows alone); elsewhere paired.
+            return keras_hub_attention.split_dispatcher(
+                original, keras_hub_attention.split_substitute(cls), otherwise=paired)
+        return make
+
+    return tuple((cls.__dict__["call"], maker(cls, attributes, substitute))
+                 for cls, attributes, substitute in found)

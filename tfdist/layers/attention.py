@@ -227,9 +227,7 @@ class ShardedAttention(keras.layers.Layer):
 
         bias = None
         if key_mask is not None:  # [M*b, Lk/M] -> [b, Lk]
-            blocks = tf.reshape(key_mask, [parts, -1, key_mask.shape[1]])
-            bias = padding_bias(tf.reshape(tf.transpose(blocks, [1, 0, 2]),
-                                           [tf.shape(blocks)[1], -1]))
+            bias = padding_bias(sequences(key_mask[:, None])[:, 0])
         if causal:  # the tokens' global positions, in device order
             order = tf.constant(sequence.SequenceSplit(int(q.shape[2]) * parts, parts,
                                                        balanced=True).order(), tf.int32)
